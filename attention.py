@@ -1,0 +1,160 @@
+"""
+Softmax attention, linear attention in all its forms, and the multi-head attention module every model uses.
+
+Softmax attention (Hedgehog Sec. 2):   y_i = sum_j softmax_j(q_i . k_j / sqrt(D)) v_j
+Linear attention (Hedgehog Sec. 2, OAL Sec. 2), with features qf = phi_q(q), kf = phi_k(k):
+
+    y_i = qf_i^T S_i / (qf_i^T z_i + eps),   S_i = sum_{j<=i} kf_j v_j^T  (F x Dv),   z_i = sum_{j<=i} kf_j  (F)
+
+computed four ways that must agree (test_all.py checks each against a float64 loop):
+    linear_attention_quadratic   materialise A = (qf kf^T) * mask, normalise rows: O(T^2), the weights are visible
+    linear_attention_cumsum      running sums of outer products kf_j v_j^T: O(T F Dv) memory, readable, slow
+    linear_attention             causal: the chunked kernel (kernel.py, Triton or PyTorch); bidirectional: closed form
+    linear_attention_step        one token at a time with an (S, z) state of size F x Dv: generation
+The eps keeps the denominator away from 0 when a map (ReLU) gives a row of zero weights.
+States and sums are float32 whatever the input dtype.
+
+Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interface:
+    softmax_attention(q, k, v, causal=True)
+    linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto")
+    attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
+    linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
+    MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS)
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from feature_maps import make_feature_map
+from kernel import causal_linear_attention
+
+
+def _fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def causal_mask(T, device=None):
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), True where j <= i
+
+
+def softmax_attention(q, k, v, causal=True):
+    """The readable reference: softmax(q k^T / sqrt(D)) v. Models call F.scaled_dot_product_attention, which tests check equals this."""
+    return attention_weights(q, k, causal=causal).to(v.dtype) @ v
+
+
+def linear_weights(qf, kf, causal=True, eps=1e-6):
+    """Normalised linear attention weights A_ij = qf_i . kf_j / (sum_l qf_i . kf_l + eps), (B, H, T, T)."""
+    A = _fp32(qf) @ _fp32(kf).transpose(-1, -2)  # (B, H, T, T)
+    if causal:
+        A = A.masked_fill(~causal_mask(A.shape[-1], A.device), 0.0)
+    return A / (A.sum(-1, keepdim=True) + eps)
+
+
+def attention_weights(q, k, fmap=None, causal=True, eps=1e-12):
+    """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap(q, k).
+    eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows."""
+    if fmap is not None:
+        return linear_weights(*fmap(q, k), causal=causal, eps=eps)
+    s = _fp32(q) @ _fp32(k).transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T) logits
+    if causal:
+        s = s.masked_fill(~causal_mask(s.shape[-1], s.device), float("-inf"))
+    return s.softmax(-1)
+
+
+def linear_attention_quadratic(qf, kf, v, causal=True, eps=1e-6):
+    """O(T^2) form: the weights are materialised, then y = A v."""
+    return (linear_weights(qf, kf, causal, eps) @ _fp32(v)).to(v.dtype)
+
+
+def linear_attention_cumsum(qf, kf, v, eps=1e-6):
+    """Causal form with explicit running sums: S_i = cumsum_j kf_j v_j^T is (B, H, T, F, Dv). Slow; for reading."""
+    qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
+    S = torch.cumsum(kf.unsqueeze(-1) * vf.unsqueeze(-2), dim=2)  # (B, H, T, F, Dv)
+    z = torch.cumsum(kf, dim=2)  # (B, H, T, F)
+    num = (qf.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, T, Dv)
+    den = (qf * z).sum(-1, keepdim=True) + eps  # (B, H, T, 1)
+    return (num / den).to(v.dtype)
+
+
+def linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto"):
+    """Linear attention in O(T): causal through kernel.causal_linear_attention (chunked; backend "auto"
+    uses Triton when it can run), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
+    if causal:
+        return causal_linear_attention(qf, kf, v, eps=eps, backend=backend)
+    qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
+    num = qf @ (kf.transpose(-1, -2) @ vf)  # (B, H, T, F) @ (B, H, F, Dv)
+    den = qf @ kf.sum(-2).unsqueeze(-1) + eps  # (B, H, T, 1)
+    return (num / den).to(v.dtype)
+
+
+def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=1e-6):
+    """One token of causal linear attention. qf_t, kf_t: (B, H, F), v_t: (B, H, Dv).
+    state = (S, z): (B, H, F, Dv) and (B, H, F) in float32, None to start. Returns (y_t (B, H, Dv), state)."""
+    qf, kf, vf = _fp32(qf_t), _fp32(kf_t), _fp32(v_t)
+    if state is None:
+        state = (qf.new_zeros(*kf.shape, vf.shape[-1]), qf.new_zeros(kf.shape))
+    S, z = state
+    S = S + kf.unsqueeze(-1) * vf.unsqueeze(-2)  # S_t = S_{t-1} + kf_t v_t^T
+    z = z + kf
+    num = (qf.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, Dv)
+    den = (qf * z).sum(-1, keepdim=True) + eps  # (B, H, 1)
+    return (num / den).to(v_t.dtype), (S, z)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with softmax or any feature map: x (B, T, C) -> (B, T, C).
+
+    Separate q, k, v, o projections (convert.py puts LoRA adapters on each). feature_map="softmax"
+    uses F.scaled_dot_product_attention; any other name builds feature_maps.make_feature_map(name,
+    head_dim, n_heads, **fmap_kwargs), one set of parameters per head (Hedgehog App. A.2).
+    """
+
+    def __init__(self, d_model, n_heads, feature_map="softmax", causal=True, bias=False, **fmap_kwargs):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads, self.head_dim, self.causal = n_heads, d_model // n_heads, causal
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(4))
+        self.feature_map = feature_map
+        self.fmap = None if feature_map == "softmax" else make_feature_map(feature_map, self.head_dim, n_heads, **fmap_kwargs)
+
+    def heads(self, x):
+        """x (B, T, C) -> q, k, v each (B, H, T, D)."""
+        split = lambda y: y.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)
+        return split(self.q(x)), split(self.k(x)), split(self.v(x))
+
+    def mix(self, q, k, v):
+        """The attention itself on (B, H, T, D) heads -> (B, H, T, D)."""
+        if self.fmap is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        qf, kf = self.fmap(q, k)
+        return linear_attention(qf, kf, v, causal=self.causal)
+
+    def forward(self, x):
+        y = self.mix(*self.heads(x))  # (B, H, T, D)
+        return self.o(y.transpose(1, 2).flatten(2))  # (B, T, C)
+
+    def weights(self, x):
+        """(B, H, T, T) attention weights of this layer on input x, for diagnostics and distillation."""
+        q, k, _ = self.heads(x)
+        return attention_weights(q, k, self.fmap, causal=self.causal)
+
+    def step(self, x_t, cache=None):
+        """Decode one token: x_t (B, C) -> (y_t (B, C), cache). Softmax keeps every key and value (a KV
+        cache that grows with t); linear attention keeps the fixed-size state (S, z)."""
+        if not self.causal:
+            raise ValueError("step() is for causal attention")
+        q, k, v = self.heads(x_t[:, None])  # (B, H, 1, D)
+        t = 0 if cache is None else cache["t"]
+        if self.fmap is None:
+            if cache is not None:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            y = F.scaled_dot_product_attention(q, k, v)[:, :, 0]  # the new token sees every cached one
+            cache = {"t": t + 1, "k": k, "v": v}
+        else:
+            qf, kf = self.fmap(q, k, offset=t)
+            y, state = linear_attention_step(qf[:, :, 0], kf[:, :, 0], v[:, :, 0], None if cache is None else cache["state"])
+            cache = {"t": t + 1, "state": state}
+        return self.o(y.flatten(1)), cache

@@ -1,0 +1,439 @@
+"""
+Feature maps phi for linear attention: every map the Hedgehog and OAL papers compare, fixed and learned.
+
+Linear attention replaces the softmax kernel exp(q.k / sqrt(D)) with a dot product of features,
+K(q, k) = phi_q(q) . phi_k(k), so that causal attention can be computed with running sums
+(Hedgehog Sec. 2; OAL Sec. 2). Every map here is a module with
+
+    forward(q, k, offset=0) -> (qf, kf)    q, k: (B, H, T, D)  ->  qf, kf: (B, H, T, F)
+
+Both sides go in together because some maps are asymmetric (OAL and TaylorShift put their
+coefficients on the query side; `exp` stabilises queries and keys differently) and one is
+position-aware (cosFormer; `offset` is the index of the first token, for step-by-step decoding).
+Features come out in float32 (float64 stays float64): they are exponentials and squares, and
+fp16 cannot hold e^12. Linear attention accumulates in float32 anyway.
+
+Fixed maps        elu, relu, exp (temperature t), performer, cosformer, taylor
+Learned maps      t2r, hedgehog, taylorshift, dijiang, quadratic, oal
+
+    Hedgehog paper (Zhang et al. 2024, arXiv 2402.04347): Sec. 3.2 and Table 2 (elu, relu,
+    performer, cosformer, exp phi_t), Sec. 4.1 (taylor), Sec. 4.2 and App. A.1 (hedgehog),
+    Sec. 5.4 (t2r).
+    OAL paper (Sun et al. 2026, arXiv 2610.13674): Sec. 2 (global quadratic), Sec. 3.1
+    (contribution scores), Sec. 4.1-4.3 and App. B, D (grouped quadratic kernel, grouping),
+    App. F.1 (taylorshift, dijiang baselines).
+
+make_feature_map(name, head_dim, num_heads, **kwargs) builds one; FEATURE_MAPS lists them all.
+Learned maps keep one set of parameters per head (leading dimension H).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _fp32(x):
+    """Upcast half precision to float32; float32 and float64 are left as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def quadratic_features(x, packed=True):
+    """vec(x x^T) / sqrt(2): (..., D) -> (..., D(D+1)/2) packed, or (..., D*D) full.
+
+    The dot product of two such vectors is (x.y)^2 / 2 in both layouts: the packed one keeps the
+    pairs l >= m and scales the off-diagonal ones by sqrt(2), since they appear twice in the full one.
+    """
+    D = x.shape[-1]
+    if not packed:
+        return (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
+    l, m = torch.tril_indices(D, D, device=x.device)  # pairs l >= m
+    scale = torch.where(l == m, 1.0, math.sqrt(2)).to(x.dtype) / math.sqrt(2)
+    return x[..., l] * x[..., m] * scale
+
+
+def stable_exp_qk(yq, yk, max_exponent=60.0):
+    """exp(yq), exp(yk) without overflow, leaving the normalised attention weights unchanged.
+
+    Query side: subtract each token's max over features. That scales row i of the weights by a
+    constant, which the normalisation removes, so the weights are exactly unchanged.
+    Key side: a per-token shift would reweight the keys, so none is applied. Instead the exponent
+    is clamped at 60, which only touches inputs that are already absurd: e^60 * 32K tokens * 2145
+    features stays below the float32 maximum, so the running key sums cannot overflow.
+    """
+    qf = torch.exp(yq - yq.amax(dim=-1, keepdim=True).detach())
+    kf = torch.exp(yk.clamp(max=max_exponent))
+    return qf, kf
+
+
+class FeatureMap(nn.Module):
+    """A symmetric map: the same phi on both sides. Subclasses define phi (or override forward)."""
+
+    def forward(self, q, k, offset=0):
+        return self.phi(_fp32(q)), self.phi(_fp32(k))
+
+
+# ----------------------------------------------------------------------------------------------
+# fixed maps
+
+
+class Elu(FeatureMap):
+    """1 + elu(x) (Katharopoulos et al. 2020). F = D.
+
+    Written as where(x >= 0, x + 1, exp(min(x, 0))): in bf16 the textbook elu(x) + 1 rounds to 0
+    near x = -8 (1 + (e^x - 1) loses e^x to cancellation), and a zero feature can zero a row.
+    """
+
+    def phi(self, x):
+        return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
+
+
+class Relu(FeatureMap):
+    """relu(x). F = D. Rows can be all zero, which is why linear attention adds eps to its denominator."""
+
+    def phi(self, x):
+        return F.relu(x)
+
+
+class Exp(FeatureMap):
+    """phi_t(x) = exp(t x) element-wise (Hedgehog Table 2). F = D. t = 1 fails associative recall,
+    t = 2 solves it (Sec. 3.2)."""
+
+    def __init__(self, t=1.0):
+        super().__init__()
+        self.t = t
+
+    def forward(self, q, k, offset=0):
+        return stable_exp_qk(self.t * _fp32(q), self.t * _fp32(k))
+
+
+class Performer(FeatureMap):
+    """FAVOR+ positive random features (Choromanski et al. 2021), unbiased for exp(s):
+
+        phi(x) = m^-1/2 exp(W x' - |x'|^2 / 2),  x' = x / D^(1/4),   E[phi(q) . phi(k)] = exp(q.k / sqrt(D)).
+
+    W has m rows: orthogonal Gaussian blocks of D rows (QR of a Gaussian matrix), each row rescaled
+    to a chi(D)-distributed norm so that it is marginally N(0, I). One W per head, a buffer.
+    redraw=True draws a new W at every training forward. stabilize=True subtracts each token's max
+    exponent on both sides, as the Performer code does: finite for any input, but the key-side shift
+    changes the estimator (it is no longer unbiased), so it is off by default. F = m.
+    """
+
+    def __init__(self, head_dim, num_heads=1, num_features=256, redraw=False, stabilize=False):
+        super().__init__()
+        self.D, self.H, self.m = head_dim, num_heads, num_features
+        self.redraw, self.stabilize = redraw, stabilize
+        self.register_buffer("W", self.draw())
+
+    def draw(self, generator=None):
+        W = torch.empty(self.H, self.m, self.D)
+        for h in range(self.H):
+            blocks = []
+            for _ in range(math.ceil(self.m / self.D)):
+                G = torch.randn(self.D, self.D, generator=generator)
+                Q, R = torch.linalg.qr(G)  # orthonormal columns
+                Q = Q * torch.sign(torch.diagonal(R))  # Haar-uniform: without it one sign is fixed and exp(s) is biased
+                blocks.append(Q.T)
+            rows = torch.cat(blocks)[: self.m]  # (m, D), unit rows, orthogonal within a block
+            norms = torch.randn(self.m, self.D, generator=generator).norm(dim=-1, keepdim=True)
+            W[h] = rows * norms
+        return W
+
+    def forward(self, q, k, offset=0):
+        if self.training and self.redraw:
+            self.W.copy_(self.draw())  # once per call: q and k must share W
+        return self.phi(_fp32(q)), self.phi(_fp32(k))
+
+    def phi(self, x):
+        x = x / self.D ** 0.25
+        y = torch.einsum("bhtd,hmd->bhtm", x, self.W.to(x.dtype)) - (x * x).sum(-1, keepdim=True) / 2
+        if self.stabilize:
+            y = y - y.amax(dim=-1, keepdim=True).detach()
+        return torch.exp(y) / math.sqrt(self.m)
+
+
+class CosFormer(FeatureMap):
+    """cosFormer (Qin et al. 2022): phi(x_i) = [relu(x_i) cos(pi i / 2M), relu(x_i) sin(pi i / 2M)],
+    so phi(q_i) . phi(k_j) = relu(q_i) . relu(k_j) cos(pi (i - j) / 2M). F = 2D.
+
+    M is the sequence length of the call (the paper's choice) or a fixed max_len. Decoding one
+    token at a time needs max_len, since the final length is not known yet.
+    """
+
+    def __init__(self, max_len=None):
+        super().__init__()
+        self.max_len = max_len
+
+    def forward(self, q, k, offset=0):
+        T = q.shape[-2]
+        if self.max_len is None and offset > 0:
+            raise ValueError("cosformer: step-by-step decoding needs a fixed max_len (make_feature_map('cosformer', D, max_len=...))")
+        M = self.max_len or T
+        if offset + T > M:
+            raise ValueError(f"cosformer: position {offset + T - 1} is past max_len={M}")
+        angle = math.pi / (2 * M) * torch.arange(offset, offset + T, device=q.device, dtype=torch.float64)
+        cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (T, 1)
+
+        def phi(x):
+            x = F.relu(_fp32(x))
+            return torch.cat([x * cos.to(x.dtype), x * sin.to(x.dtype)], dim=-1)
+
+        return phi(q), phi(k)
+
+
+class Taylor(FeatureMap):
+    """Second-order Taylor expansion of exp (Hedgehog Sec. 4.1, Keles et al. 2023):
+
+        phi(x) = [1, x / D^(1/4), vec(x x^T) / (sqrt(2) sqrt(D))],   phi(q) . phi(k) = 1 + s + s^2 / 2 exactly.
+
+    F = 1 + D + D(D+1)/2 packed (2145 at D = 64), or 1 + D + D^2 with packed=False (4161).
+    Always positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2.
+    """
+
+    def __init__(self, head_dim, packed=True):
+        super().__init__()
+        self.D, self.packed = head_dim, packed
+
+    def phi(self, x):
+        x = x / self.D ** 0.25
+        return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x, self.packed)], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# learned maps
+
+
+class T2R(FeatureMap):
+    """T2R (Kasai et al. 2021): relu(W x + b), one trainable linear layer per head, nn.Linear's
+    initialisation. With the Hedgehog distillation loss it becomes the paper's "T2R-HH". F = feature_dim."""
+
+    def __init__(self, head_dim, num_heads=1, feature_dim=None):
+        super().__init__()
+        F_ = feature_dim or head_dim
+        bound = 1 / math.sqrt(head_dim)
+        self.W = nn.Parameter(torch.empty(num_heads, head_dim, F_).uniform_(-bound, bound))
+        self.b = nn.Parameter(torch.empty(num_heads, 1, F_).uniform_(-bound, bound))
+
+    def phi(self, x):  # (B, H, T, D) @ (H, D, F) -> (B, H, T, F)
+        return F.relu(x @ self.W.to(x.dtype) + self.b.to(x.dtype))
+
+
+class Hedgehog(FeatureMap):
+    """Hedgehog (Hedgehog Sec. 4.2, App. A.1-A.2): one linear layer per head, identity init and zero
+    bias, then the negation mapping so that negative dimensions also count. F = 2D.
+
+        y = W x + b
+        mode="softmax"  (default)  phi(x) = softmax([y, -y])          one softmax over all 2D features
+        mode="softmax_halves"      phi(x) = [softmax(y), softmax(-y)]  a softmax per half
+        mode="exp"                 phi(x) = [exp(y), exp(-y)]          the paper's Sec. 4.2 form
+
+    The two softmax modes are the paper's stable variant (App. A.1); they are different functions
+    (halves: each half sums to 1; all: the whole vector sums to 1), and both stay finite in bf16/fp16
+    for any input because a softmax subtracts its max. The default is the single softmax. The exp
+    mode is stabilised like `exp` (exact query-side max, key-side clamp at e^60).
+    The paper shares one map between queries and keys of a head; separate_qk=True learns two.
+    """
+
+    def __init__(self, head_dim, num_heads=1, mode="softmax", separate_qk=False):
+        super().__init__()
+        if mode not in ("softmax", "softmax_halves", "exp"):
+            raise ValueError(f"hedgehog: mode must be 'softmax', 'softmax_halves' or 'exp', got {mode!r}")
+        self.mode = mode
+        eye = torch.eye(head_dim).expand(num_heads, head_dim, head_dim)
+        self.W = nn.Parameter(eye.clone())  # (H, D, D), y = x @ W + b
+        self.b = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
+        self.Wk = nn.Parameter(eye.clone()) if separate_qk else None
+        self.bk = nn.Parameter(torch.zeros(num_heads, 1, head_dim)) if separate_qk else None
+
+    def forward(self, q, k, offset=0):
+        q, k = _fp32(q), _fp32(k)
+        Wk, bk = (self.W, self.b) if self.Wk is None else (self.Wk, self.bk)
+        yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)
+        yk = k @ Wk.to(k.dtype) + bk.to(k.dtype)
+        yq, yk = torch.cat([yq, -yq], dim=-1), torch.cat([yk, -yk], dim=-1)  # (B, H, T, 2D)
+        if self.mode == "exp":
+            return stable_exp_qk(yq, yk)
+        if self.mode == "softmax":
+            return yq.softmax(-1), yk.softmax(-1)
+        D = q.shape[-1]
+        halves = lambda y: torch.cat([y[..., :D].softmax(-1), y[..., D:].softmax(-1)], dim=-1)
+        return halves(yq), halves(yk)
+
+
+class TaylorShift(FeatureMap):
+    """TaylorShift (Nauen et al. 2024; OAL App. F.1): q, k L2-normalised, a learned temperature tau
+    per head (init 1), kernel 1 + tau x + (tau x)^2 / 2 with x = q_hat . k_hat.
+
+    tau sits on the query side only, phi_q = [1, tau q_hat, tau^2 qq(q_hat)], phi_k = [1, k_hat, qq(k_hat)],
+    so any sign of tau works. F = 1 + D + D(D+1)/2.
+    """
+
+    def __init__(self, head_dim, num_heads=1):
+        super().__init__()
+        self.tau = nn.Parameter(torch.ones(num_heads, 1, 1))
+
+    def forward(self, q, k, offset=0):
+        q, k = F.normalize(_fp32(q), dim=-1), F.normalize(_fp32(k), dim=-1)
+        tau = self.tau.to(q.dtype)
+        one = torch.ones_like(q[..., :1])
+        qf = torch.cat([one, tau * q, tau ** 2 * quadratic_features(q)], dim=-1)
+        kf = torch.cat([one, k, quadratic_features(k)], dim=-1)
+        return qf, kf
+
+
+class DiJiang(FeatureMap):
+    """DiJiang (Chen et al. 2024; OAL App. F.1): phi(x) = w * softmax(x P), P = C T, with C the
+    orthonormal DCT-II matrix and T a diagonal of standard Gaussian quantiles Phi^-1(i / (D + 1)),
+    i = 1..D (a quasi-Monte Carlo frequency grid). w: trainable positive weights per head, stored
+    as log w (init 0, so w = 1). F = D."""
+
+    def __init__(self, head_dim, num_heads=1):
+        super().__init__()
+        D = head_dim
+        n, i = torch.arange(D, dtype=torch.float64)[:, None], torch.arange(D, dtype=torch.float64)[None, :]
+        C = torch.cos(math.pi * (n + 0.5) * i / D) * math.sqrt(2 / D)  # C[n, i], orthonormal DCT-II
+        C[:, 0] /= math.sqrt(2)
+        quantiles = torch.special.ndtri(torch.arange(1, D + 1, dtype=torch.float64) / (D + 1))
+        self.register_buffer("P", (C * quantiles).float())  # C @ diag(quantiles), (D, D)
+        self.log_w = nn.Parameter(torch.zeros(num_heads, 1, D))
+
+    def phi(self, x):
+        return self.log_w.exp().to(x.dtype) * (x @ self.P.to(x.dtype)).softmax(-1)
+
+
+class OAL(FeatureMap):
+    """OAL grouped quadratic kernel (OAL Sec. 4.1-4.3, App. D). The learned global quadratic is the
+    one-group case (make_feature_map("quadratic", ...)).
+
+    Per head, with u_l = q_l k_l / sqrt(D) and group partial logits z_g = sum_{l in g} u_l (sum_g z_g = s):
+
+        K(q, k) = eps + || [1, z_1 .. z_G] L ||^2,   L lower-triangular (G+1) x (G+1),  M = L L^T
+                = a + sum_g b_g z_g + sum_gh C_gh z_g z_h,   a = M_00 + eps, b_g = 2 M_0g, C_gh = M_gh.
+
+    K > 0 for every q, k by construction. It is separable, but only asymmetrically (b can be
+    negative; K is positive but not a Mercer kernel), so every coefficient goes on the query side:
+
+        phi_k(k) = [1, k_l, (k_l k_m)_{l>=m}]
+        phi_q(q) = [a, s0 b_g(l) q_l, mu_lm s0^2 C_g(l)g(m) q_l q_m],  s0 = 1/sqrt(D), mu = 1 (l = m) or 2.
+
+    F = 1 + D + D(D+1)/2. L starts at the Taylor factor (L_00 = 1, L_g0 = L_g1 = 1/2), which gives
+    1 + s + s^2/2 for any grouping. groups: (H, D) group index of each dimension, 0 = the
+    low-contribution bulk; all zeros (one group) until set_groups() is called with find_groups().
+    """
+
+    def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
+        super().__init__()
+        self.D, self.G, self.eps = head_dim, max_groups, eps
+        L = torch.zeros(num_heads, max_groups + 1, max_groups + 1)
+        L[:, 0, 0] = 1.0
+        L[:, 1:, 0] = L[:, 1:, 1] = 0.5
+        self.L = nn.Parameter(L)
+        self.register_buffer("groups", torch.zeros(num_heads, head_dim, dtype=torch.long))
+
+    def set_groups(self, groups):
+        groups = torch.as_tensor(groups, dtype=torch.long, device=self.groups.device)
+        if groups.shape != self.groups.shape or groups.min() < 0 or groups.max() >= self.G:
+            raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), got shape {tuple(groups.shape)}")
+        self.groups.copy_(groups)
+
+    def coefficients(self):
+        """a: (H,), b: (H, G), C: (H, G, G) from L (the expanded kernel above)."""
+        L = torch.tril(self.L)
+        M = L @ L.transpose(-1, -2)
+        return M[:, 0, 0] + self.eps, 2 * M[:, 0, 1:], M[:, 1:, 1:]
+
+    def forward(self, q, k, offset=0):
+        q, k = _fp32(q), _fp32(k)
+        D, s0 = self.D, 1 / math.sqrt(self.D)
+        a, b, C = (c.to(q.dtype) for c in self.coefficients())
+        l, m = torch.tril_indices(D, D, device=q.device)  # pairs l >= m, P = D(D+1)/2
+        g = self.groups  # (H, D)
+        b_l = torch.gather(b, 1, g)  # (H, D): b_g(l)
+        C_lm = C[torch.arange(C.shape[0], device=q.device)[:, None], g[:, l], g[:, m]]  # (H, P)
+        mu = torch.where(l == m, 1.0, 2.0).to(q.dtype)
+        one = torch.ones_like(k[..., :1])
+        kf = torch.cat([one, k, k[..., l] * k[..., m]], dim=-1)
+        qf = torch.cat([a[:, None, None] * torch.ones_like(q[..., :1]),
+                        s0 * b_l[:, None, :] * q,
+                        s0 ** 2 * (mu * C_lm)[:, None, :] * q[..., l] * q[..., m]], dim=-1)
+        return qf, kf
+
+
+# ----------------------------------------------------------------------------------------------
+# OAL's contribution scores and stable-gap grouping (OAL Sec. 3.1, 4.2, App. B)
+
+
+def contribution_scores(q, k):
+    """c_l = mean over causal pairs j <= i of |q_il k_jl|, per head: (B, H, T, D) -> (B, H, D).
+
+    sum_{j<=i} |q_il| |k_jl| = |q_il| * cumsum_j |k_jl|, so this is O(T D), not O(T^2 D).
+    """
+    T = q.shape[-2]
+    pairs = T * (T + 1) / 2
+    return (q.abs() * k.abs().cumsum(-2)).sum(-2) / pairs
+
+
+def find_groups(scores, min_ratio=1.5, top_frac=0.25, max_cuts=4, bootstrap=100, keep_frac=0.9, seed=0):
+    """Stable-gap grouping of one head's dimensions (OAL Sec. 4.2, App. B).
+
+    scores: (N, D) contribution scores of N calibration sequences for one head. Returns a (D,) long
+    tensor of group ids: 0 is the low-contribution bulk, higher ids hold higher-contribution dims.
+
+    Sort the mean scores ascending; a cut between sorted positions t and t+1 is a candidate when it
+    lies in the top 25% and c_(t+1) / c_(t) >= 1.5. A cut is kept when it is also a >= 1.5 gap
+    separating the same set of dimensions in >= 90% of bootstrap resamples of the N sequences.
+    At most 4 cuts (the largest gaps), so 1-5 groups.
+    """
+    N, D = scores.shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def gaps(c):  # candidate cuts of one score vector: {frozenset(dims above the cut): ratio}
+        c_sorted, order = c.sort()
+        out = {}
+        for t in range(max(0, math.ceil(D * (1 - top_frac)) - 1), D - 1):
+            ratio = c_sorted[t + 1] / c_sorted[t].clamp_min(1e-30)
+            if ratio >= min_ratio:
+                out[frozenset(order[t + 1:].tolist())] = ratio.item()
+        return out
+
+    candidates = gaps(scores.mean(0))
+    survived = {cut: 0 for cut in candidates}
+    for _ in range(bootstrap):
+        resampled = gaps(scores[torch.randint(N, (N,), generator=gen)].mean(0))
+        for cut in candidates:
+            survived[cut] += cut in resampled
+    kept = [cut for cut in candidates if survived[cut] >= keep_frac * bootstrap]
+    kept = sorted(kept, key=lambda cut: -candidates[cut])[:max_cuts]
+    groups = torch.zeros(D, dtype=torch.long)
+    for cut in kept:  # a dimension's group = how many kept cuts it lies above
+        groups[list(cut)] += 1
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------
+
+FEATURE_MAPS = {
+    "elu": Elu, "relu": Relu, "exp": Exp, "performer": Performer, "cosformer": CosFormer,
+    "taylor": Taylor, "t2r": T2R, "hedgehog": Hedgehog, "taylorshift": TaylorShift,
+    "dijiang": DiJiang, "quadratic": OAL, "oal": OAL,
+}
+
+
+def make_feature_map(name, head_dim, num_heads=1, **kwargs):
+    """Build feature map `name` for heads of size head_dim. kwargs go to the map (e.g. t=2 for exp,
+    mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; valid names: {', '.join(FEATURE_MAPS)}")
+    if name in ("elu", "relu", "exp", "cosformer"):  # no per-head parameters
+        return FEATURE_MAPS[name](**kwargs)
+    if name == "taylor":
+        return Taylor(head_dim, **kwargs)
+    if name == "quadratic":
+        return OAL(head_dim, num_heads, max_groups=1, **kwargs)
+    return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)
+
+
+def feature_dim(name, head_dim, **kwargs):
+    """F, the size of the features of map `name` at head dim D (for the README table and budgets)."""
+    q = torch.zeros(1, 1, 1, head_dim)
+    return make_feature_map(name, head_dim, 1, **kwargs)(q, q)[0].shape[-1]

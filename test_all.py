@@ -1,0 +1,409 @@
+"""
+The test suite: every attention path against an independent float64 oracle, every feature map against
+its closed form, and smoke runs of the scripts. Run: python -m pytest -q test_all.py
+
+The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must be set before triton
+is imported, so it is set below, before importing our modules (on a CUDA machine the real kernel runs).
+Scripts are smoke-tested in subprocesses without it, so they take the fast PyTorch path.
+"""
+import math
+import os
+
+import torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch.nn.functional as F
+
+import attention
+import feature_maps as fm
+import kernel
+from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_cumsum,
+                       linear_attention_quadratic, linear_attention_step, softmax_attention)
+
+NAMES = list(fm.FEATURE_MAPS)
+HAS_TRITON = kernel.HAS_TRITON and (torch.cuda.is_available() or kernel.INTERPRET)
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is Linux-only)")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_map(name, D=8, H=2, seed=0, **kw):
+    """A feature map in float64 with its learned parameters moved away from their initial values."""
+    torch.manual_seed(seed)
+    fmap = fm.make_feature_map(name, D, H, **kw).double()
+    with torch.no_grad():
+        for p in fmap.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        if isinstance(fmap, fm.OAL):
+            fmap.set_groups(torch.randint(0, fmap.G, (H, D)))
+    return fmap
+
+
+def loop_reference(qf, kf, v, causal=True, eps=1e-6):
+    """The definition, one query at a time: y_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = qf_i . kf_j."""
+    T = qf.shape[2]
+    out = []
+    for i in range(T):
+        J = i + 1 if causal else T
+        w = (qf[:, :, i:i + 1] * kf[:, :, :J]).sum(-1)  # (B, H, J)
+        out.append((w.unsqueeze(-1) * v[:, :, :J]).sum(2) / (w.sum(-1, keepdim=True) + eps))
+    return torch.stack(out, dim=2)
+
+
+def qkv(B=2, H=2, T=37, D=8, Dv=5, scale=1.0, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(B, H, T, d, generator=g, dtype=dtype) for d in (D, D, Dv)]
+
+
+# ----------------------------------------------------------------------------------------------
+# linear attention: every form equals the float64 definition, for every feature map
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forms_match_float64_reference(name, causal):
+    fmap = make_map(name)
+    q, k, v = qkv(T=37)
+    qf, kf = fmap(q, k)
+    ref = loop_reference(qf, kf, v, causal)
+    assert torch.allclose(linear_attention_quadratic(qf, kf, v, causal), ref, rtol=1e-9, atol=1e-9)
+    assert torch.allclose(linear_attention(qf, kf, v, causal, backend="torch"), ref, rtol=1e-9, atol=1e-9)
+    if causal:
+        assert torch.allclose(linear_attention_cumsum(qf, kf, v), ref, rtol=1e-9, atol=1e-9)
+        state, ys = None, []
+        for t in range(q.shape[2]):
+            y, state = linear_attention_step(qf[:, :, t], kf[:, :, t], v[:, :, t], state)
+            ys.append(y)
+        assert torch.allclose(torch.stack(ys, 2), ref, rtol=1e-9, atol=1e-9)
+        if HAS_TRITON:  # the kernel computes in float32
+            y = linear_attention(qf.to(DEV), kf.to(DEV), v.to(DEV), causal, backend="triton").cpu()
+            assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_match_quadratic_autograd(name):
+    """Gradients through the kernel's hand-written backward equal autograd through the O(T^2) form,
+    for q, k, v and the feature map's own parameters."""
+    fmap = make_map(name)
+    q, k, v = (x.requires_grad_() for x in qkv(T=70))
+    params = [q, k, v] + list(fmap.parameters())
+    g = torch.randn(2, 2, 70, 5, dtype=torch.float64)
+
+    def grads(form):
+        return torch.autograd.grad((form(*fmap(q, k), v) * g).sum(), params, allow_unused=True)
+
+    ref = grads(linear_attention_quadratic)
+    for got in [grads(lambda a, b, c: linear_attention(a, b, c, backend="torch"))]:
+        for r, x in zip(ref, got):
+            if r is not None:
+                assert torch.allclose(x, r, rtol=1e-8, atol=1e-9 * r.abs().max().item())
+
+
+def test_kernel_gradcheck():
+    """Finite differences, the oracle that does not trust any backward."""
+    a, b, c = qkv(B=1, H=1, T=20, D=4, Dv=3)
+    args = (a.exp().requires_grad_(), b.exp().requires_grad_(), c.requires_grad_())
+    assert torch.autograd.gradcheck(lambda *x: kernel.causal_linear_attention(*x, backend="torch"), args)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,F,Dv", [(1, 4, 3), (70, 33, 17), (130, 300, 130)])
+def test_triton_kernel_matches_float64(dtype, T, F, Dv):
+    """Forward and gradients, odd sizes: T not a multiple of the chunk, F over one 128 tile (3 K tiles),
+    Dv + 1 over one tile. Inputs are rounded to `dtype`; the reference sees the same rounded values."""
+    g = torch.Generator().manual_seed(0)
+    qf, kf = (torch.rand(2, 2, T, F, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(2, 2, T, Dv, generator=g).to(dtype)
+    dy = torch.randn(2, 2, T, Dv, generator=g)
+    ins = [x.to(DEV).requires_grad_() for x in (qf, kf, v)]
+    y = kernel.causal_linear_attention(*ins, backend="triton")
+    grads = torch.autograd.grad(y, ins, dy.to(DEV).to(dtype))
+    ref_in = [x.double().requires_grad_() for x in (qf, kf, v)]
+    ref = linear_attention_quadratic(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, dy.to(dtype).double())
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]  # output rounding of each dtype
+    if DEV == "cuda":
+        tol = max(tol, 2e-3)  # TF32 dots
+    assert y.dtype == dtype
+    for got, r in zip([y] + list(grads), [ref] + list(ref_grads)):
+        # relative to the reference's norm, floored: at T = 1 the q, k gradients are exactly 0 (y_0 = v_0)
+        err = (got.double().cpu() - r).norm() / (r.norm() + 1e-3 * r.numel() ** 0.5)
+        assert err < tol, err
+
+
+def test_kernel_rejects_bad_input():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="shape"):
+        kernel.causal_linear_attention(q, k[:, :, :5], v)
+    with pytest.raises(ValueError, match="backend"):
+        kernel.causal_linear_attention(q, k, v, backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# softmax and the weights
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_matches_sdpa(causal):
+    q, k, v = qkv(T=29, Dv=8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.allclose(softmax_attention(q, k, v, causal), ref, atol=1e-12)
+
+
+def test_linear_weights_by_hand():
+    """A 2-token example by hand with relu: q = [[1, 0], [1, 1]], k = [[2, 0], [1, 3]].
+    Row 0 sees key 0 only: weight 1. Row 1: q1.k0 = 2, q1.k1 = 4, so weights 2/6 and 4/6."""
+    q = torch.tensor([[1.0, 0], [1, 1]], dtype=torch.float64)[None, None]
+    k = torch.tensor([[2.0, 0], [1, 3]], dtype=torch.float64)[None, None]
+    A = attention_weights(q, k, fm.make_feature_map("relu", 2))[0, 0]
+    assert torch.allclose(A, torch.tensor([[1.0, 0], [2 / 6, 4 / 6]], dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# each feature map against its closed form
+
+
+def logits(q, k):
+    return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # s = q.k / sqrt(D), (B, H, T, T)
+
+
+def kernel_matrix(fmap, q, k):
+    qf, kf = fmap(q, k)
+    return qf @ kf.transpose(-1, -2)
+
+
+def test_unknown_feature_map_lists_valid_names():
+    with pytest.raises(ValueError, match="hedgehog.*oal|oal.*hedgehog"):
+        fm.make_feature_map("softmaxx", 8)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_taylor_is_exact_second_order(packed):
+    q, k, _ = qkv(D=6)
+    s = logits(q, k)
+    fmap = fm.make_feature_map("taylor", 6, packed=packed)
+    assert torch.allclose(kernel_matrix(fmap, q, k), 1 + s + s ** 2 / 2, atol=1e-10)
+    assert fmap(q, k)[0].shape[-1] == (1 + 6 + 21 if packed else 1 + 6 + 36)
+
+
+def oal_kernel_by_definition(fmap, q, k):
+    """K = eps + ||[1, z_1..z_G] L||^2 with z_g = sum_{l in g} q_l k_l / sqrt(D), straight from OAL Sec. 4."""
+    D = q.shape[-1]
+    u = q.unsqueeze(3) * k.unsqueeze(2) / math.sqrt(D)  # (B, H, T, T, D) per-dimension contributions
+    onehot = F.one_hot(fmap.groups, fmap.G).to(q.dtype)  # (H, D, G)
+    z = torch.einsum("bhijd,hdg->bhijg", u, onehot)
+    z1 = torch.cat([torch.ones_like(z[..., :1]), z], -1)  # (B, H, T, T, G+1)
+    L = torch.tril(fmap.L)  # (H, G+1, G+1)
+    return fmap.eps + (torch.einsum("bhijg,hgc->bhijc", z1, L) ** 2).sum(-1)
+
+
+def test_oal_matches_its_definition_and_stays_positive():
+    for seed in range(3):
+        fmap = make_map("oal", seed=seed)
+        with torch.no_grad():
+            fmap.L.normal_()  # any L: b can be negative, K must stay positive
+        q, k, _ = qkv(T=11, scale=2.0, seed=seed)
+        K = kernel_matrix(fmap, q, k)
+        assert torch.allclose(K, oal_kernel_by_definition(fmap, q, k), rtol=1e-9, atol=1e-9)
+        assert (K > 0).all()
+
+
+def test_oal_taylor_init_is_taylor_for_any_grouping():
+    q, k, _ = qkv()
+    s = logits(q, k)
+    for seed in range(3):
+        fmap = fm.make_feature_map("oal", 8, 2).double()
+        fmap.set_groups(torch.randint(0, 5, (2, 8), generator=torch.Generator().manual_seed(seed)))
+        assert torch.allclose(kernel_matrix(fmap, q, k), 1 + s + s ** 2 / 2 + fmap.eps, atol=1e-10)
+
+
+def test_oal_one_group_is_global_quadratic():
+    """With every dimension in one group, OAL is the learned global quadratic a + b s + c s^2."""
+    quad = make_map("quadratic")
+    oal = fm.make_feature_map("oal", 8, 2).double()
+    with torch.no_grad():
+        oal.L.zero_()
+        oal.L[:, :2, :2] = quad.L  # groups all 0: only L's first two rows and columns matter
+    q, k, _ = qkv()
+    s = logits(q, k)
+    a, b, C = quad.coefficients()
+    expected = a[:, None, None] + b[:, 0, None, None] * s + C[:, 0, 0, None, None] * s ** 2
+    assert torch.allclose(kernel_matrix(quad, q, k), expected, atol=1e-10)
+    assert torch.allclose(kernel_matrix(oal, q, k), expected, atol=1e-10)
+
+
+def test_oal_rejects_bad_groups():
+    with pytest.raises(ValueError, match="groups"):
+        fm.make_feature_map("oal", 8, 2).set_groups(torch.full((2, 8), 7))
+
+
+@pytest.mark.parametrize("mode", ["softmax", "softmax_halves", "exp"])
+def test_hedgehog_init_closed_form(mode):
+    """Identity W and zero bias: phi(x) is the negation mapping of x itself."""
+    q, k, _ = qkv()
+    qf, kf = fm.make_feature_map("hedgehog", 8, 2, mode=mode).double()(q, k)
+    x = torch.cat([k, -k], -1)
+    expected = {"softmax": x.softmax(-1),
+                "softmax_halves": torch.cat([k.softmax(-1), (-k).softmax(-1)], -1),
+                "exp": x.exp()}[mode]
+    assert torch.allclose(kf, expected, atol=1e-12)
+    if mode == "exp":  # the query side is scaled per token, which leaves the weights unchanged
+        xq = torch.cat([q, -q], -1).exp()
+        assert torch.allclose(qf / qf.sum(-1, keepdim=True), xq / xq.sum(-1, keepdim=True), atol=1e-12)
+
+
+def test_exp_weights_unchanged_by_stabilisation():
+    q, k, _ = qkv(scale=3.0)
+    for t in (1.0, 2.0):
+        A = attention_weights(q, k, fm.make_feature_map("exp", 8, t=t))
+        raw = (t * q).exp() @ (t * k).exp().transpose(-1, -2)
+        raw = raw.tril()
+        assert torch.allclose(A, raw / raw.sum(-1, keepdim=True), atol=1e-12)
+
+
+def test_performer_estimates_exp():
+    """E[phi(q).phi(k)] = exp(s): over 300 independent draws of W, the mean ratio to exp(s) is within
+    4 standard errors of 1 for every pair (the QR sign bug this guards against gave a 15% bias)."""
+    q, k, _ = qkv(B=1, H=1, T=6, D=8, scale=0.3)
+    fmap = fm.make_feature_map("performer", 8, 1, num_features=64).double()
+    g = torch.Generator().manual_seed(0)
+    ratios = []
+    for _ in range(300):
+        fmap.W.copy_(fmap.draw(g))
+        ratios.append(kernel_matrix(fmap, q, k) / logits(q, k).exp())
+    ratios = torch.stack(ratios)
+    stderr = ratios.std(0) / 300 ** 0.5
+    assert ((ratios.mean(0) - 1).abs() < 4 * stderr).all()
+    assert stderr.max() < 0.03
+
+
+def test_performer_rows_are_orthogonal_blocks_with_chi_norms():
+    W = fm.make_feature_map("performer", 16, 1, num_features=48).W[0]  # 3 blocks of 16
+    for blk in W.split(16):
+        unit = blk / blk.norm(dim=-1, keepdim=True)
+        assert torch.allclose(unit @ unit.T, torch.eye(16), atol=1e-5)
+    assert not torch.allclose(W.norm(dim=-1), W.norm(dim=-1)[0])  # rescaled, not unit rows
+
+
+def test_cosformer_reweights_by_cos_distance():
+    q, k, _ = qkv(T=13)
+    for max_len in (None, 40):
+        M = max_len or 13
+        i = torch.arange(13, dtype=torch.float64)
+        expected = F.relu(q) @ F.relu(k).transpose(-1, -2) * torch.cos(math.pi * (i[:, None] - i[None, :]) / (2 * M))
+        assert torch.allclose(kernel_matrix(fm.make_feature_map("cosformer", 8, max_len=max_len), q, k), expected, atol=1e-12)
+
+
+def test_taylorshift_kernel():
+    fmap = make_map("taylorshift")
+    q, k, _ = qkv()
+    x = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+    tx = fmap.tau[None] * x  # (H, 1, 1) temperature per head
+    assert torch.allclose(kernel_matrix(fmap, q, k), 1 + tx + tx ** 2 / 2, atol=1e-10)
+
+
+def test_dijiang_dct_and_form():
+    fmap = make_map("dijiang")
+    D = 8
+    n = torch.arange(D, dtype=torch.float64)
+    C = torch.stack([torch.cos(math.pi * (n + 0.5) * i / D) for i in range(D)], 1)  # unnormalised DCT-II basis
+    C = C / C.norm(dim=0)
+    quantiles = torch.distributions.Normal(0, 1).icdf(torch.arange(1, D + 1, dtype=torch.float64) / (D + 1))
+    assert torch.allclose(fmap.P, C * quantiles, atol=1e-6)
+    q, k, _ = qkv()
+    assert torch.allclose(fmap(q, k)[1], fmap.log_w.exp() * (k @ fmap.P).softmax(-1), atol=1e-12)
+
+
+def test_t2r_form():
+    fmap = make_map("t2r")
+    q, k, _ = qkv()
+    expected = torch.stack([F.relu(k[:, h] @ fmap.W[h] + fmap.b[h]) for h in range(2)], 1)
+    assert torch.allclose(fmap(q, k)[1], expected, atol=1e-12)
+
+
+def test_elu_stays_positive_in_bf16():
+    x = torch.full((1, 1, 1, 4), -10.0, dtype=torch.bfloat16)
+    qf, _ = fm.make_feature_map("elu", 4)(x, x)
+    assert (qf > 0).all()
+    assert (F.elu(x) + 1 == 0).all()  # what the textbook form would give
+
+
+@pytest.mark.parametrize("name", ["exp", "hedgehog", "performer", "dijiang", "elu", "taylor", "oal", "taylorshift"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exp_maps_finite_in_half_precision(name, dtype):
+    q, k, v = (x.to(dtype) for x in qkv(scale=50.0))
+    for kw in ([{"t": 1.0}, {"t": 2.0}] if name == "exp" else [{}]):
+        fmap = fm.make_feature_map(name, 8, 2, **kw)
+        qf, kf = fmap(q, k)
+        assert torch.isfinite(qf).all() and torch.isfinite(kf).all()
+        y = linear_attention(qf, kf, v, backend="torch")
+        assert torch.isfinite(y).all() and y.dtype == dtype
+        A = attention_weights(q, k, fmap)
+        assert torch.isfinite(A).all() and (A.sum(-1) <= 1 + 1e-5).all()
+
+
+def test_long_sequence_32k_does_not_overflow():
+    q, k, v = qkv(B=1, H=1, T=32768, D=8, Dv=4, scale=20.0, dtype=torch.float32)
+    for name in ("exp", "hedgehog"):
+        qf, kf = fm.make_feature_map(name, 8, 1)(q, k)
+        y = linear_attention(qf, kf, v, backend="torch")
+        assert torch.isfinite(y).all()
+        assert (y.abs() <= v.abs().max() * (1 + 1e-4)).all()  # a convex combination of values
+
+
+# ----------------------------------------------------------------------------------------------
+# OAL grouping
+
+
+def test_contribution_scores_match_pairwise_mean():
+    q, k, _ = qkv(T=9)
+    c = fm.contribution_scores(q, k)
+    i, j = torch.tril_indices(9, 9)  # causal pairs
+    ref = (q[:, :, i].abs() * k[:, :, j].abs()).mean(2)
+    assert torch.allclose(c, ref, atol=1e-12)
+
+
+def test_find_groups_separates_stable_outliers():
+    g = torch.Generator().manual_seed(0)
+    base = 1 + 0.05 * torch.rand(32, 16, generator=g)  # 32 sequences, 16 dims, a flat bulk
+    base[:, 15] *= 10  # one strong outlier (ratio 10)
+    base[:, 13:15] *= 3  # two moderate ones (ratio 3)
+    groups = fm.find_groups(base)
+    assert groups.tolist() == [0] * 13 + [1, 1, 2]
+    assert fm.find_groups(1 + 0.05 * torch.rand(32, 16, generator=g)).eq(0).all()  # no gap: one group
+    noisy = 1 + 0.05 * torch.rand(32, 16, generator=g)
+    noisy[::2, 15] *= 2.1  # in half the sequences only: the mean gap is 1.55, but resamples often fall below 1.5
+    assert fm.find_groups(noisy.mean(0, keepdim=True).expand(32, 16)).tolist() == [0] * 15 + [1]  # without the noise: kept
+    assert fm.find_groups(noisy).eq(0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# the module: causality, decoding
+
+
+@pytest.mark.parametrize("name", ["softmax"] + NAMES)
+def test_causality_and_decoding(name):
+    """Changing a future token changes no past output; decoding token by token equals the parallel forward."""
+    torch.manual_seed(0)
+    kw = {"max_len": 32} if name == "cosformer" else {}
+    mha = MultiHeadAttention(16, 2, feature_map=name, **kw).double()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    y = mha(x)
+    x2 = x.clone()
+    x2[:, 7] += 1.0
+    assert torch.allclose(mha(x2)[:, :7], y[:, :7], atol=1e-6)
+    assert not torch.allclose(mha(x2)[:, 7:], y[:, 7:], atol=1e-6)
+    cache, ys = None, []
+    for t in range(12):
+        y_t, cache = mha.step(x[:, t], cache)
+        ys.append(y_t)
+    assert torch.allclose(torch.stack(ys, 1), y, atol=1e-5)  # the parallel path may run the float32 kernel
+
+
+def test_mha_weights_rows_sum_to_one():
+    mha = MultiHeadAttention(16, 2, feature_map="hedgehog")
+    A = mha.weights(torch.randn(2, 10, 16))
+    assert A.shape == (2, 2, 10, 10) and torch.allclose(A.sum(-1), torch.ones(2, 2, 10), atol=1e-5)
+    assert (A.triu(1) == 0).all()
