@@ -38,6 +38,12 @@ def _fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def pair_products(x):
+    """(x_l x_m) for l >= m, in torch.tril_indices order: (..., D) -> (..., D(D+1)/2).
+    Built row by row with slices: indexing with index tensors is 2-3x slower on CPU, mostly in backward."""
+    return torch.cat([x[..., l:l + 1] * x[..., :l + 1] for l in range(x.shape[-1])], dim=-1)
+
+
 def quadratic_features(x, packed=True):
     """vec(x x^T) / sqrt(2): (..., D) -> (..., D(D+1)/2) packed, or (..., D*D) full.
 
@@ -47,9 +53,9 @@ def quadratic_features(x, packed=True):
     D = x.shape[-1]
     if not packed:
         return (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
-    l, m = torch.tril_indices(D, D, device=x.device)  # pairs l >= m
+    l, m = torch.tril_indices(D, D, device=x.device)
     scale = torch.where(l == m, 1.0, math.sqrt(2)).to(x.dtype) / math.sqrt(2)
-    return x[..., l] * x[..., m] * scale
+    return pair_products(x) * scale
 
 
 def stable_exp_qk(yq, yk, max_exponent=60.0):
@@ -112,6 +118,7 @@ class Performer(FeatureMap):
 
         phi(x) = m^-1/2 exp(W x' - |x'|^2 / 2),  x' = x / D^(1/4),   E[phi(q) . phi(k)] = exp(q.k / sqrt(D)).
 
+    m defaults to round(D ln D) (266 at D = 64), the Performer paper's choice.
     W has m rows: orthogonal Gaussian blocks of D rows (QR of a Gaussian matrix), each row rescaled
     to a chi(D)-distributed norm so that it is marginally N(0, I). One W per head, a buffer.
     redraw=True draws a new W at every training forward. stabilize=True subtracts each token's max
@@ -119,9 +126,10 @@ class Performer(FeatureMap):
     changes the estimator (it is no longer unbiased), so it is off by default. F = m.
     """
 
-    def __init__(self, head_dim, num_heads=1, num_features=256, redraw=False, stabilize=False):
+    def __init__(self, head_dim, num_heads=1, num_features=None, redraw=False, stabilize=False):
         super().__init__()
-        self.D, self.H, self.m = head_dim, num_heads, num_features
+        self.D, self.H = head_dim, num_heads
+        self.m = num_features or round(head_dim * math.log(head_dim))
         self.redraw, self.stabilize = redraw, stabilize
         self.register_buffer("W", self.draw())
 
@@ -330,10 +338,18 @@ class OAL(FeatureMap):
         self.L = nn.Parameter(L)
         self.register_buffer("groups", torch.zeros(num_heads, head_dim, dtype=torch.long))
 
+    @torch.no_grad()
     def set_groups(self, groups):
+        """Fix the grouping, (H, D) ints in [0, max_groups). Splitting a head that is still one group
+        copies that group's coefficients to the new groups, so the kernel does not change at the split."""
         groups = torch.as_tensor(groups, dtype=torch.long, device=self.groups.device)
         if groups.shape != self.groups.shape or groups.min() < 0 or groups.max() >= self.G:
             raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), got shape {tuple(groups.shape)}")
+        one_group = (self.groups == 0).all(-1)  # (H,)
+        L = self.L.data
+        L[one_group, 2:, :] = 0
+        L[one_group, 2:, 0] = L[one_group, 1, 0][:, None]  # row g+1 = row 1: [1, z_1..z_G] L keeps
+        L[one_group, 2:, 1] = L[one_group, 1, 1][:, None]  # columns L_00 + L_10 s and L_11 s
         self.groups.copy_(groups)
 
     def coefficients(self):
@@ -352,10 +368,10 @@ class OAL(FeatureMap):
         C_lm = C[torch.arange(C.shape[0], device=q.device)[:, None], g[:, l], g[:, m]]  # (H, P)
         mu = torch.where(l == m, 1.0, 2.0).to(q.dtype)
         one = torch.ones_like(k[..., :1])
-        kf = torch.cat([one, k, k[..., l] * k[..., m]], dim=-1)
+        kf = torch.cat([one, k, pair_products(k)], dim=-1)
         qf = torch.cat([a[:, None, None] * torch.ones_like(q[..., :1]),
                         s0 * b_l[:, None, :] * q,
-                        s0 ** 2 * (mu * C_lm)[:, None, :] * q[..., l] * q[..., m]], dim=-1)
+                        s0 ** 2 * (mu * C_lm)[:, None, :] * pair_products(q)], dim=-1)
         return qf, kf
 
 

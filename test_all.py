@@ -32,11 +32,11 @@ def make_map(name, D=8, H=2, seed=0, **kw):
     """A feature map in float64 with its learned parameters moved away from their initial values."""
     torch.manual_seed(seed)
     fmap = fm.make_feature_map(name, D, H, **kw).double()
+    if isinstance(fmap, fm.OAL):
+        fmap.set_groups(torch.randint(0, fmap.G, (H, D)))
     with torch.no_grad():
         for p in fmap.parameters():
             p.add_(0.1 * torch.randn_like(p))
-        if isinstance(fmap, fm.OAL):
-            fmap.set_groups(torch.randint(0, fmap.G, (H, D)))
     return fmap
 
 
@@ -234,6 +234,17 @@ def test_oal_one_group_is_global_quadratic():
     assert torch.allclose(kernel_matrix(oal, q, k), expected, atol=1e-10)
 
 
+def test_oal_split_keeps_the_kernel():
+    """Splitting a trained one-group head (as train_ar.py does after its first epoch) changes nothing at once."""
+    fmap = fm.make_feature_map("oal", 8, 2).double()
+    with torch.no_grad():
+        fmap.L.add_(0.3 * torch.randn_like(fmap.L))
+    q, k, _ = qkv()
+    before = kernel_matrix(fmap, q, k)
+    fmap.set_groups(torch.randint(0, 5, (2, 8)))
+    assert torch.allclose(kernel_matrix(fmap, q, k), before, atol=1e-10)
+
+
 def test_oal_rejects_bad_groups():
     with pytest.raises(ValueError, match="groups"):
         fm.make_feature_map("oal", 8, 2).set_groups(torch.full((2, 8), 7))
@@ -407,3 +418,62 @@ def test_mha_weights_rows_sum_to_one():
     A = mha.weights(torch.randn(2, 10, 16))
     assert A.shape == (2, 2, 10, 10) and torch.allclose(A.sum(-1), torch.ones(2, 2, 10), atol=1e-5)
     assert (A.triu(1) == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# associative recall data and the scripts
+
+
+def test_ar_data_labels_are_the_recalled_values():
+    """Check every label against a plain scan of its sequence."""
+    import train_ar
+    for queries in ("last", "all"):
+        x, y = train_ar.make_ar_data(20, queries=queries, seed=3)
+        assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
+        for row, lab in zip(x.tolist(), y.tolist()):
+            value_of = {}
+            for t, tok in enumerate(row):
+                expected = -100
+                if t % 2 == 0 and tok in value_of and (queries == "all" or t == len(row) - 1):
+                    expected = value_of[tok]
+                assert lab[t] == expected
+                if t % 2 == 1:
+                    assert value_of.setdefault(row[t - 1], tok) == tok  # one value per key in a sequence
+            assert lab[-1] == value_of[row[-1]]  # the final query always has an answer
+
+
+def run_script(*args):
+    """Run a script in a subprocess on the fast PyTorch path (no Triton interpreter)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_train_ar_smoke(tmp_path):
+    import json
+    out = run_script("train_ar.py", "--attentions=softmax,exp_t2,oal", "--num_train=64", "--num_test=32",
+                     "--epochs=2", "--batch_size=32", f"--out_dir={tmp_path}")
+    assert "test acc" in out
+    records = json.load(open(tmp_path / "ar.json"))
+    assert [r["attention"] for r in records] == ["softmax", "exp_t2", "oal"]
+    for r in records:
+        assert 0 <= r["test_acc"] <= 1 and 0 <= r["entropy"] <= math.log(127) and r["seconds"] > 0
+
+
+def test_scripts_reject_unknown_settings():
+    import subprocess
+    import sys
+    for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"]):
+        out = subprocess.run([sys.executable, "train_ar.py", *args], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert out.returncode != 0 and "error" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    out = run_script("kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--repeats=1",
+                     f"--out={tmp_path / 'kernel.json'}")
+    assert "check torch: max |y - y_ref|" in out and (tmp_path / "kernel.json").exists()
