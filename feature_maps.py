@@ -86,12 +86,13 @@ class FeatureMap(nn.Module):
 class Elu(FeatureMap):
     """1 + elu(x) (Katharopoulos et al. 2020). F = D.
 
-    Written as where(x >= 0, x + 1, exp(min(x, 0))): in bf16 the textbook elu(x) + 1 rounds to 0
-    near x = -8 (1 + (e^x - 1) loses e^x to cancellation), and a zero feature can zero a row.
+    Written as relu(x) + exp(min(x, 0)), the same as where(x >= 0, x + 1, exp(x)): the textbook
+    elu(x) + 1 computes 1 + (e^x - 1), which cancels to 0 near x = -8 in bf16 (x = -17 in fp32),
+    and a zero feature can zero a row. (No torch.where: it is 2x slower here, forward and backward.)
     """
 
     def phi(self, x):
-        return torch.where(x >= 0, x + 1, torch.exp(x.clamp(max=0)))
+        return F.relu(x) + torch.exp(x.clamp(max=0))
 
 
 class Relu(FeatureMap):
