@@ -20,6 +20,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
     MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS)
+    Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
 """
 import math
 
@@ -158,3 +159,27 @@ class MultiHeadAttention(nn.Module):
             y, state = linear_attention_step(qf[:, :, 0], kf[:, :, 0], v[:, :, 0], None if cache is None else cache["state"])
             cache = {"t": t + 1, "state": state}
         return self.o(y.flatten(1)), cache
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block, the unit every model here stacks: x + attn(ln(x)), then x + mlp(ln(x)).
+    mlp_ratio = 0 leaves the MLP out (attention-only blocks)."""
+
+    def __init__(self, d_model, n_head, attention="softmax", mlp_ratio=4, causal=True, **fmap_kwargs):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = MultiHeadAttention(d_model, n_head, feature_map=attention, causal=causal, **fmap_kwargs)
+        self.mlp = None
+        if mlp_ratio:
+            self.ln2 = nn.LayerNorm(d_model)
+            self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x if self.mlp is None else x + self.mlp(self.ln2(x))
+
+    def step(self, x_t, cache=None):
+        """One token x_t (B, C) through the block, with the attention's cache (see MultiHeadAttention.step)."""
+        y, cache = self.attn.step(self.ln1(x_t), cache)
+        x_t = x_t + y
+        return (x_t if self.mlp is None else x_t + self.mlp(self.ln2(x_t))), cache

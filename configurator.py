@@ -5,8 +5,11 @@ Command-line overrides for the plain config block at the top of each script (the
 
 Each --key=value must name an existing setting; the value is parsed to that setting's type.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
+pick_device() resolves the scripts' device = "auto".
 """
 import sys
+
+import torch
 
 
 def configure(config, argv=None):
@@ -35,3 +38,14 @@ def configure(config, argv=None):
             sys.exit(f"error: --{key} expects a {type(old).__name__}, got {value!r}")
         config[key] = new
     return config
+
+
+def pick_device(name="auto"):
+    """'auto' -> cuda, then mps, then cpu; any other name is used as given."""
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"

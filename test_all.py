@@ -477,3 +477,63 @@ def test_kernel_benchmark_smoke(tmp_path):
     out = run_script("kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--repeats=1",
                      f"--out={tmp_path / 'kernel.json'}")
     assert "check torch: max |y - y_ref|" in out and (tmp_path / "kernel.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# distillation and fidelity
+
+
+def test_fidelity_by_hand():
+    """Two tokens, relu map, D = 1: q = [1, 2], k = [1, 3]. Row 0 sees only key 0: both weights are 1.
+    Row 1: softmax of [2*1, 2*3] = [2, 6] -> [1/(1+e^4), e^4/(1+e^4)]; relu weights [2, 6] / 8.
+    KL is the mean over the two rows; the first row contributes 0."""
+    import distill
+    q = torch.tensor([1.0, 2.0], dtype=torch.float64).view(1, 1, 2, 1)
+    k = torch.tensor([1.0, 3.0], dtype=torch.float64).view(1, 1, 2, 1)
+    v = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64).view(1, 1, 2, 2)
+    p = torch.tensor([1 / (1 + math.e ** 4), math.e ** 4 / (1 + math.e ** 4)], dtype=torch.float64)
+    r = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    f = distill.fidelity(q, k, v, fm.make_feature_map("relu", 1))
+    assert math.isclose(f["kl"], (p * (p / r).log()).sum().item() / 2, rel_tol=1e-6)
+    # outputs: row 0 is v_0 for both; row 1 is p (softmax) vs r (relu) since v is the identity
+    assert math.isclose(f["rel_mse"], ((p - r) ** 2).sum().item() / (1 + (p ** 2).sum().item()), rel_tol=1e-5)
+    entropy_r = -(r * r.log()).sum().item()
+    assert math.isclose(f["entropy"], entropy_r / 2, rel_tol=1e-6)
+
+
+def test_monotonicity_of_taylor_and_relu():
+    import distill
+    q, k, v = qkv(T=30, D=8, scale=0.4)  # |s| < 1, where 1 + s + s^2/2 increases with s
+    s = logits(q, k)
+    assert s.abs().max() < 1
+    assert distill.fidelity(q, k, v, fm.make_feature_map("taylor", 8))["monotonicity"] == pytest.approx(1.0)
+    assert distill.fidelity(q, k, v, fm.make_feature_map("relu", 8))["monotonicity"] < 0.9
+
+
+@pytest.mark.parametrize("name,loss,metric", [("hedgehog", "xent", "kl"), ("t2r", "xent", "kl"),
+                                              ("oal", "mse", "rel_mse"), ("hedgehog", "both", "kl")])
+def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metric):
+    """Distil on frozen q, k, v of a real module; its projections must not move, the map's parameters must."""
+    import distill
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 2, feature_map=name)
+    x = torch.randn(4, 40, 32) * 2
+    q, k, v = mha.heads(x)
+    q, k = 3 * q, 3 * k  # sharper teacher attention, where the untrained maps are far off
+    proj = {n: p.detach().clone() for n, p in mha.named_parameters() if not n.startswith("fmap.")}
+    fmap_before = [p.detach().clone() for p in mha.fmap.parameters()]
+    before = distill.fidelity(q, k, v, mha.fmap)[metric]
+    losses = distill.distill_feature_map(mha.fmap, q, k, v, loss=loss, steps=60, lr=1e-2)
+    after = distill.fidelity(q, k, v, mha.fmap)[metric]
+    assert losses[-1] < losses[0] and after < 0.8 * before, (before, after)
+    assert all(torch.equal(p, proj[n]) for n, p in mha.named_parameters() if not n.startswith("fmap."))
+    assert any(not torch.equal(a, b) for a, b in zip(fmap_before, mha.fmap.parameters()))
+
+
+def test_distill_rejects_fixed_maps_and_missing_v():
+    import distill
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="no parameters"):
+        distill.distill_feature_map(fm.make_feature_map("elu", 8), q, k)
+    with pytest.raises(ValueError, match="needs v"):
+        distill.distill_feature_map(fm.make_feature_map("oal", 8, 2), q, k, loss="mse")

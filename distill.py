@@ -1,0 +1,98 @@
+"""
+Teaching a feature map to mimic softmax: Hedgehog's attention distillation, OAL's output calibration,
+and the fidelity metrics both papers report.
+
+Hedgehog (Sec. 4.2, App. A.3): freeze q and k; train only the feature map so that the linear
+attention weights match the softmax weights, with a soft-label cross-entropy per query row,
+
+    loss = mean_i  - sum_{j<=i} a_ij log ahat_ij,   a = softmax(q k^T / sqrt(D)) (teacher, fp32, no grad),
+                                                   ahat = normalised (qf kf^T) * mask (student, eps 1e-12).
+
+OAL (Sec. 4.3, App. B): freeze q, k, v; fit the kernel so that the normalised causal outputs match
+softmax's, with an MSE on the outputs (loss="mse"). loss="both" adds the two (successors of Hedgehog
+combine them).
+
+Fidelity (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and averaged:
+    kl            KL(softmax || linear) per query row
+    rel_mse       ||O_linear - O_softmax||^2 / ||O_softmax||^2 per sequence (OAL's metric)
+    entropy       entropy of the linear weights per row, in nats (spikiness); entropy_softmax for the teacher
+    monotonicity  Spearman correlation between q.k and the linear weight within each row
+
+Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps module with H heads):
+    distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2) -> list of losses
+    fidelity(q, k, v, fmap, causal=True) -> dict of floats
+"""
+import torch
+
+from attention import attention_weights, linear_attention_quadratic, softmax_attention
+
+
+def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
+    """The distillation loss of fmap on frozen q, k (and v for "mse" / "both")."""
+    if loss not in ("xent", "mse", "both"):
+        raise ValueError(f"loss must be 'xent', 'mse' or 'both', got {loss!r}")
+    if loss != "xent" and v is None:
+        raise ValueError(f"loss={loss!r} matches attention outputs, so it needs v")
+    total = 0.0
+    if loss in ("xent", "both"):
+        with torch.no_grad():
+            teacher = attention_weights(q, k, causal=causal)  # (B, H, T, T), fp32
+        student = attention_weights(q, k, fmap, causal=causal)  # rows normalised with eps 1e-12
+        total = total - (teacher * student.clamp_min(1e-12).log()).sum(-1).mean()
+    if loss in ("mse", "both"):
+        with torch.no_grad():
+            target = softmax_attention(q, k, v.float(), causal=causal)
+        out = linear_attention_quadratic(*fmap(q, k), v.float(), causal=causal)
+        total = total + (out - target).pow(2).mean()
+    return total
+
+
+def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True, log_every=0):
+    """Train fmap's parameters (only those) on frozen q, k, v with AdamW (Hedgehog: lr 1e-2, no weight
+    decay). Returns the loss at every step. The O(T^2) forms are used: this is for the short
+    calibration sequences of one layer; a model-wide run distils every layer with one optimiser."""
+    params = [p for p in fmap.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(fmap).__name__} has no parameters to distil (it is a fixed map)")
+    q, k = q.detach(), k.detach()
+    v = None if v is None else v.detach()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    history = []
+    for step in range(steps):
+        value = distill_loss(fmap, q, k, v, loss, causal)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+        history.append(value.item())
+        if log_every and step % log_every == 0:
+            print(f"distill step {step}: {loss} loss {value.item():.4f}")
+    return history
+
+
+def spearman_rows(x, y, causal=True):
+    """Mean over rows i of the Spearman correlation of x_i. and y_i. over the keys row i sees (j <= i if
+    causal); rows with fewer than 3 keys are skipped. x, y: (B, H, T, T). Ties are ranked by position."""
+    T = x.shape[-1]
+    values = []
+    for i in range(2 if causal else 0, T):
+        J = i + 1 if causal else T
+        rx = x[..., i, :J].argsort(-1).argsort(-1).float()  # ranks, (B, H, J)
+        ry = y[..., i, :J].argsort(-1).argsort(-1).float()
+        rx, ry = rx - rx.mean(-1, keepdim=True), ry - ry.mean(-1, keepdim=True)
+        values.append((rx * ry).sum(-1) / (rx.norm(dim=-1) * ry.norm(dim=-1)))
+    return torch.stack(values, -1).mean().item()
+
+
+@torch.no_grad()
+def fidelity(q, k, v, fmap, causal=True):
+    """How well fmap's linear attention mimics softmax on these q, k, v: see the module docstring."""
+    a = attention_weights(q, k, causal=causal)  # (B, H, T, T) teacher
+    ahat = attention_weights(q, k, fmap, causal=causal)
+    kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean()
+    entropy = lambda w: -(w * w.clamp_min(1e-30).log()).sum(-1).mean().item()
+    o = softmax_attention(q, k, v.float(), causal=causal)  # (B, H, T, Dv)
+    ohat = linear_attention_quadratic(*fmap(q, k), v.float(), causal=causal)
+    rel_mse = ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean()
+    dots = q.float() @ k.float().transpose(-1, -2)
+    return {"kl": kl.item(), "rel_mse": rel_mse.item(), "entropy": entropy(ahat), "entropy_softmax": entropy(a),
+            "monotonicity": spearman_rows(dots, ahat, causal)}
