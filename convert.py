@@ -1,0 +1,316 @@
+"""
+Turn a trained softmax GPT into a linear-attention one: swap, distil, finetune (Hedgehog Sec. 5.3-5.4,
+App. B.5; OAL Sec. 4.3, 5.2, App. F).
+
+    1. swap      in the chosen layers keep q, k, v, o and put a feature map behind them
+    2. distil    stage 1: everything frozen but the feature maps, trained jointly with one optimiser
+                 to match each layer's softmax attention on the teacher's own hidden states:
+                 Hedgehog's cross-entropy on the weights (hedgehog, t2r-hh), or OAL's MSE on the
+                 outputs after contribution-based grouping (quadratic, oal); early stopping on validation
+    3. finetune  stage 2: LoRA (rank 8, alpha 16) on q, k, v, o of every layer, or full finetuning,
+                 feature maps trainable too, on the language-modelling loss
+
+    python convert.py                                     # every method on the same budget
+    python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
+
+Reads the softmax checkpoint of train_gpt.py (out/ckpt.pt; trains one first if there is none),
+prints validation perplexity after each stage and attention fidelity (KL, entropy, monotonicity,
+output RelMSE) per method, saves results/convert.json and, with matplotlib, results/convert_monotonicity.png
+(Hedgehog Fig. 3) and results/convert_attention.png (Hedgehog Fig. 7).
+"""
+import copy
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import distill
+import train_gpt
+from configurator import configure, pick_device
+from feature_maps import contribution_scores, find_groups, make_feature_map
+
+# ---- config: plain values, override with --key=value ----
+ckpt = "out/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
+methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
+layers = "all"  # "all", or "middle": softmax stays in the first and last layers (OAL Sec. 5.2)
+distill_iters = 100
+distill_lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
+finetune = "lora"  # "lora" or "full"
+finetune_iters = 100
+finetune_lr = 1e-3
+lora_r = 8
+lora_alpha = 16
+batch_size = 16
+eval_iters = 20
+seed = 0
+device = "auto"
+results = "results/convert.json"
+plots = True
+# -----------------------------------------------------------
+config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
+METHODS = {  # method: (feature map, stage-1 loss or None for no distillation)
+    "t2r": ("t2r", None),  # swap and finetune (Kasai et al.)
+    "t2r-hh": ("t2r", "xent"),  # T2R trained with Hedgehog's loss
+    "hedgehog": ("hedgehog", "xent"),
+    "hedgehog-untrained": ("hedgehog", None),  # the ablation: the Hedgehog map, no distillation
+    "quadratic": ("quadratic", "mse"),  # OAL's learned global quadratic, output calibration
+    "oal": ("oal", "mse"),
+}
+
+
+class LoRA(nn.Module):
+    """y = W x + (alpha / r) B A x with W frozen (Hu et al. 2021). B starts at 0: an exact no-op at first."""
+
+    def __init__(self, base, r=8, alpha=16):
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        self.A = nn.Parameter(torch.randn(r, base.in_features) / math.sqrt(base.in_features))  # (r, in)
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))  # (out, r)
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.A.T) @ self.B.T
+
+
+def add_lora(model, r, alpha):
+    for block in model.blocks:
+        for name in "qkvo":
+            setattr(block.attn, name, LoRA(getattr(block.attn, name), r, alpha))
+
+
+def swap(model, fmap_name, layer_ids):
+    """Put a fresh feature map behind q, k, v, o of the given layers (their weights are kept)."""
+    for i in layer_ids:
+        attn = model.blocks[i].attn
+        attn.feature_map = fmap_name
+        attn.fmap = make_feature_map(fmap_name, attn.head_dim, attn.n_heads).to(attn.q.weight.device)
+
+
+@torch.no_grad()
+def teacher_qkv(model, idx, layer_ids):
+    """Each chosen layer's q, k, v (B, H, T, D) on the teacher's hidden states: every layer runs softmax,
+    so layer l's map is fitted to the inputs it would see in the original model."""
+    x = model.tok(idx) + model.pos(torch.arange(idx.shape[1], device=idx.device))
+    out = {}
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.attn.heads(block.ln1(x))
+        if i in layer_ids:
+            out[i] = (q, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        x = x + block.attn.o(y.transpose(1, 2).flatten(2))
+        if block.mlp is not None:
+            x = x + block.mlp(block.ln2(x))
+    return out
+
+
+def set_oal_groups(model, idx, layer_ids):
+    """OAL Sec. 4.2: per (layer, head), contribution scores on calibration sequences, then stable-gap groups."""
+    groups_found = {}
+    for i, (q, k, _) in teacher_qkv(model, idx, layer_ids).items():
+        scores = contribution_scores(q, k).cpu()  # (B, H, D): one row per calibration sequence
+        groups = torch.stack([find_groups(scores[:, h]) for h in range(scores.shape[1])])
+        model.blocks[i].attn.fmap.set_groups(groups)
+        groups_found[i] = [int(g.max()) + 1 for g in groups]
+    return groups_found
+
+
+def distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev):
+    """Stage 1: train every converted layer's feature map jointly; keep the best on a validation batch."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for i in layer_ids for p in model.blocks[i].attn.fmap.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg["distill_lr"], weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    val = teacher_qkv(model, train_gpt.get_batch(val_ids, model.block_size, cfg["batch_size"], torch.Generator().manual_seed(1), dev)[0], layer_ids)
+    total = lambda qkv: sum(distill.distill_loss(model.blocks[i].attn.fmap, q, k, v, loss) for i, (q, k, v) in qkv.items())
+    best, best_state = float("inf"), None
+    for it in range(cfg["distill_iters"] + 1):
+        if it % 20 == 0 or it == cfg["distill_iters"]:
+            with torch.no_grad():
+                v_loss = total(val).item()
+            print(f"  distill step {it}: val {loss} loss {v_loss:.4f}")
+            if v_loss < best:
+                best, best_state = v_loss, [p.detach().clone() for p in params]
+        if it == cfg["distill_iters"]:
+            break
+        qkv = teacher_qkv(model, train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev)[0], layer_ids)
+        value = total(qkv)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+    with torch.no_grad():
+        for p, b in zip(params, best_state):
+            p.copy_(b)
+
+
+def finetune_model(model, train_ids, cfg, dev):
+    """Stage 2: LoRA on q, k, v, o (or everything) plus the feature maps, on next-token loss."""
+    if cfg["finetune"] == "lora":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        add_lora(model, cfg["lora_r"], cfg["lora_alpha"])
+        for block in model.blocks:
+            if block.attn.fmap is not None:
+                block.attn.fmap.requires_grad_(True)
+    else:
+        model.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg["finetune_lr"], weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    model.train()
+    for it in range(cfg["finetune_iters"]):
+        _, loss = model(*train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return sum(p.numel() for p in params)
+
+
+def fidelity(model, idx, layer_ids):
+    """distill.fidelity averaged over the converted layers, on the teacher's q, k, v."""
+    rows = [distill.fidelity(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in teacher_qkv(model, idx, layer_ids).items()]
+    return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
+
+
+def load_teacher(cfg, dev):
+    if not os.path.exists(cfg["ckpt"]):
+        print(f"no checkpoint at {cfg['ckpt']}: training the softmax teacher first (python train_gpt.py)")
+        train_gpt.main(dict(train_gpt.config, out_dir=os.path.dirname(cfg["ckpt"]) or "."))
+    ck = torch.load(cfg["ckpt"], map_location=dev, weights_only=False)
+    if not isinstance(ck, dict) or ck.get("kind") != "train_gpt" or ck["model_args"]["attention"] != "softmax":
+        raise SystemExit(f"error: {cfg['ckpt']} is not a train_gpt.py checkpoint of a softmax GPT")
+    model = train_gpt.GPT(**ck["model_args"]).to(dev)
+    model.load_state_dict(ck["model"])
+    train_ids, val_ids, vocab, _ = train_gpt.prepare(ck["config"]["data"])
+    if not torch.equal(vocab, ck["vocab"]):
+        raise SystemExit("error: the corpus no longer gives the checkpoint's vocabulary")
+    return model, train_ids, val_ids
+
+
+def main(cfg):
+    dev = pick_device(cfg["device"])
+    print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
+    teacher, train_ids, val_ids = load_teacher(cfg, dev)
+    L = len(teacher.blocks)
+    layer_ids = list(range(L)) if cfg["layers"] == "all" else list(range(1, L - 1))
+    if cfg["layers"] not in ("all", "middle") or not layer_ids:
+        raise SystemExit(f"error: --layers must be 'all' or 'middle' (with at least 3 layers); model has {L}")
+    names = [m for m in cfg["methods"].split(",") if m]
+    unknown = [m for m in names if m != "softmax" and m not in METHODS]
+    if unknown:
+        raise SystemExit(f"error: unknown method {unknown}; valid: softmax, {', '.join(METHODS)}")
+    ev = lambda m: math.exp(train_gpt.evaluate(m, val_ids, dict(cfg, block_size=teacher.block_size), dev))
+    calib = train_gpt.get_batch(train_ids, teacher.block_size, 32, torch.Generator().manual_seed(2), dev)[0]
+    probe = train_gpt.get_batch(val_ids, teacher.block_size, 4, torch.Generator().manual_seed(3), dev)[0]
+    teacher_ppl = ev(teacher)
+    records, converted = [], {}
+    for name in names:
+        t0 = time.time()
+        if name == "softmax":
+            records.append({"method": name, "val_ppl": teacher_ppl, "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
+                            "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "seconds": 0.0,
+                            "entropy": fidelity_softmax_entropy(teacher, probe, layer_ids)})
+            print(f"softmax teacher: val ppl {teacher_ppl:.2f}")
+            continue
+        fmap_name, loss = METHODS[name]
+        torch.manual_seed(cfg["seed"])
+        model = copy.deepcopy(teacher)
+        swap(model, fmap_name, layer_ids)
+        print(f"{name}: {fmap_name} in layers {layer_ids}")
+        if fmap_name == "oal":
+            print(f"  oal groups per head, by layer: {set_oal_groups(model, calib, layer_ids)}")
+        ppl_swap = ev(model)
+        if loss is not None:
+            distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev)
+        ppl_distill = ev(model)
+        fid = fidelity(model, probe, layer_ids)
+        trained = finetune_model(model, train_ids, cfg, dev)
+        ppl = ev(model)
+        record = {"method": name, "feature_map": fmap_name, "distill_loss": loss, "val_ppl_swap": ppl_swap,
+                  "val_ppl_distill": ppl_distill, "val_ppl": ppl, "trainable_params": trained,
+                  "seconds": time.time() - t0, **fid}
+        print(f"{name}: val ppl swap {ppl_swap:.2f} -> distil {ppl_distill:.2f} -> finetune {ppl:.2f}; "
+              f"KL {fid['kl']:.3f}, entropy {fid['entropy']:.2f}, monotonicity {fid['monotonicity']:.2f}, "
+              f"RelMSE {fid['rel_mse']:.3f}, {record['seconds']:.0f}s", flush=True)
+        records.append(record)
+        converted[name] = model
+    report(records, teacher_ppl, cfg)
+    if cfg["plots"] and converted:
+        plot(teacher, converted, probe, layer_ids[len(layer_ids) // 2], os.path.dirname(cfg["results"]) or ".")
+    return records
+
+
+@torch.no_grad()
+def fidelity_softmax_entropy(model, idx, layer_ids):
+    from attention import attention_weights
+    ents = []
+    for q, k, _ in teacher_qkv(model, idx, layer_ids).values():
+        a = attention_weights(q, k)
+        ents.append(-(a * a.clamp_min(1e-30).log()).sum(-1).mean().item())
+    return sum(ents) / len(ents)
+
+
+def report(records, teacher_ppl, cfg):
+    by = {r["method"]: r for r in records}
+    base = by.get("t2r", {}).get("val_ppl")
+    print(f"\n{'method':<20} {'ppl swap':>9} {'ppl distil':>11} {'ppl final':>10} {'gap closed':>11} "
+          f"{'KL':>7} {'entropy':>8} {'monot.':>7} {'RelMSE':>7} {'seconds':>8}")
+    for r in records:
+        if base is not None and base != teacher_ppl:
+            r["gap_closed_vs_t2r"] = (base - r["val_ppl"]) / (base - teacher_ppl)
+        gap = f"{100 * r['gap_closed_vs_t2r']:.0f}%" if "gap_closed_vs_t2r" in r else "-"
+        print(f"{r['method']:<20} {r['val_ppl_swap']:>9.2f} {r['val_ppl_distill']:>11.2f} {r['val_ppl']:>10.2f} {gap:>11} "
+              f"{r['kl']:>7.3f} {r['entropy']:>8.2f} {r['monotonicity']:>7.2f} {r['rel_mse']:>7.3f} {r['seconds']:>8.0f}")
+    print("gap closed = (ppl_t2r - ppl) / (ppl_t2r - ppl_softmax): 0% is T2R, 100% is the softmax teacher")
+    for r in records:
+        r.update(config=cfg, torch=torch.__version__)
+    os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)
+    with open(cfg["results"], "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"saved {cfg['results']}")
+
+
+@torch.no_grad()
+def plot(teacher, converted, idx, layer, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figures (pip install matplotlib)")
+        return
+    from attention import attention_weights
+    q, k, _ = teacher_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's
+    weights = {"softmax": attention_weights(q, k)}
+    weights.update({n: attention_weights(q, k, m.blocks[layer].attn.fmap) for n, m in converted.items()})
+    dots = (q @ k.transpose(-1, -2))[0, 0, -1]  # last query of head 0: q.k for every key
+    n = len(weights)
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n, 2.6), squeeze=False)
+    for ax, (name, w) in zip(axes[0], weights.items()):
+        ax.scatter(dots.cpu(), w[0, 0, -1].cpu(), s=4)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("q.k", fontsize=7)
+    axes[0, 0].set_ylabel("weight")
+    fig.suptitle(f"weight vs q.k, layer {layer} head 0, last query (cf. Hedgehog Fig. 3)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "convert_monotonicity.png"), dpi=120)
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n, 2.6), squeeze=False)
+    for ax, (name, w) in zip(axes[0], weights.items()):
+        ax.imshow(w[0, 0, :64, :64].cpu() ** 0.5, cmap="viridis")
+        ax.set_title(name, fontsize=8)
+        ax.axis("off")
+    fig.suptitle(f"attention weights, layer {layer} head 0, first 64 tokens (cf. Hedgehog Fig. 7)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "convert_attention.png"), dpi=120)
+    print(f"figures: {out_dir}/convert_monotonicity.png, {out_dir}/convert_attention.png")
+
+
+if __name__ == "__main__":
+    main(configure(config))
