@@ -44,6 +44,7 @@ weight_decay = 0.1
 target_acc = 0.99  # early stopping when the per-epoch accuracy (on the first 500 test sequences) reaches this
 seeds = "0"  # comma-separated; more than one reports mean and spread
 device = "auto"  # auto: cuda, then mps, then cpu
+workers = 0  # CPU only: attentions trained in parallel, one thread each; 0 = one per core
 out_dir = "results"
 plots = True
 # -----------------------------------------------------------
@@ -268,12 +269,18 @@ def main(cfg):
     if unknown:
         raise SystemExit(f"error: unknown attention {unknown}; valid: {', '.join(valid)}")
     seeds = [int(s) for s in cfg["seeds"].split(",") if s]
-    records, models = [], {}
-    for name in names:
-        for seed in seeds:
-            record, model = train_one(name, seed, data, cfg, dev)
-            records.append(record)
-            models.setdefault(name, model)
+    jobs = [(name, seed, data, cfg, dev) for name in names for seed in seeds]
+    workers = 1 if dev != "cpu" else min(len(jobs), cfg["workers"] or os.cpu_count() or 1)
+    if workers > 1:  # small models use cores better as separate one-thread processes than as threads
+        print(f"training {len(jobs)} runs in {workers} processes of one thread each")
+        with torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,)) as pool:
+            outputs = pool.starmap(train_one, jobs)
+    else:
+        outputs = [train_one(*job) for job in jobs]
+    records = [record for record, _ in outputs]
+    models = {}
+    for record, model in outputs:
+        models.setdefault(record["attention"], model)
     table = summarize(records)
     print("\n" + table)
     os.makedirs(cfg["out_dir"], exist_ok=True)
