@@ -24,7 +24,7 @@ Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps mod
 """
 import torch
 
-from attention import attention_weights, linear_attention_quadratic, softmax_attention
+from attention import _fp32, attention_weights, linear_attention_quadratic, softmax_attention
 
 
 def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
@@ -41,8 +41,8 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
         total = total - (teacher * student.clamp_min(1e-12).log()).sum(-1).mean()
     if loss in ("mse", "both"):
         with torch.no_grad():
-            target = softmax_attention(q, k, v.float(), causal=causal)
-        out = linear_attention_quadratic(*fmap(q, k), v.float(), causal=causal)
+            target = softmax_attention(q, k, _fp32(v), causal=causal)
+        out = linear_attention_quadratic(*fmap(q, k), _fp32(v), causal=causal)
         total = total + (out - target).pow(2).mean()
     return total
 
@@ -71,7 +71,7 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
 
 def spearman_rows(x, y, causal=True):
     """Mean over rows i of the Spearman correlation of x_i. and y_i. over the keys row i sees (j <= i if
-    causal); rows with fewer than 3 keys are skipped. x, y: (B, H, T, T). Ties are ranked by position."""
+    causal); rows with fewer than 3 keys are skipped (nan if none is left). x, y: (B, H, T, T). Ties are ranked by position."""
     T = x.shape[-1]
     values = []
     for i in range(2 if causal else 0, T):
@@ -80,7 +80,7 @@ def spearman_rows(x, y, causal=True):
         ry = y[..., i, :J].argsort(-1).argsort(-1).float()
         rx, ry = rx - rx.mean(-1, keepdim=True), ry - ry.mean(-1, keepdim=True)
         values.append((rx * ry).sum(-1) / (rx.norm(dim=-1) * ry.norm(dim=-1)))
-    return torch.stack(values, -1).mean().item()
+    return torch.stack(values, -1).mean().item() if values else float("nan")
 
 
 @torch.no_grad()
@@ -90,9 +90,9 @@ def fidelity(q, k, v, fmap, causal=True):
     ahat = attention_weights(q, k, fmap, causal=causal)
     kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean()
     entropy = lambda w: -(w * w.clamp_min(1e-30).log()).sum(-1).mean().item()
-    o = softmax_attention(q, k, v.float(), causal=causal)  # (B, H, T, Dv)
-    ohat = linear_attention_quadratic(*fmap(q, k), v.float(), causal=causal)
+    o = softmax_attention(q, k, _fp32(v), causal=causal)  # (B, H, T, Dv)
+    ohat = linear_attention_quadratic(*fmap(q, k), _fp32(v), causal=causal)
     rel_mse = ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean()
-    dots = q.float() @ k.float().transpose(-1, -2)
+    dots = _fp32(q) @ _fp32(k).transpose(-1, -2)
     return {"kl": kl.item(), "rel_mse": rel_mse.item(), "entropy": entropy(ahat), "entropy_softmax": entropy(a),
             "monotonicity": spearman_rows(dots, ahat, causal)}

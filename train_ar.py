@@ -274,7 +274,7 @@ def main(cfg):
     if workers > 1:  # small models use cores better as separate one-thread processes than as threads
         print(f"training {len(jobs)} runs in {workers} processes of one thread each")
         with torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,)) as pool:
-            outputs = pool.starmap(train_one, jobs)
+            outputs = pool.starmap(train_one, jobs, chunksize=1)
     else:
         outputs = [train_one(*job) for job in jobs]
     records = [record for record, _ in outputs]
