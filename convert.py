@@ -37,10 +37,10 @@ from feature_maps import contribution_scores, find_groups, make_feature_map
 ckpt = "out/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
 methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
 layers = "all"  # "all", or "middle": softmax stays in the first and last layers (OAL Sec. 5.2)
-distill_iters = 100
+distill_iters = 60
 distill_lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
 finetune = "lora"  # "lora" or "full"
-finetune_iters = 100
+finetune_iters = 60
 finetune_lr = 1e-3
 lora_r = 8
 lora_alpha = 16
