@@ -335,10 +335,12 @@ def test_t2r_form():
 
 
 def test_elu_stays_positive_in_bf16():
-    x = torch.full((1, 1, 1, 4), -10.0, dtype=torch.bfloat16)
-    qf, _ = fm.make_feature_map("elu", 4)(x, x)
-    assert (qf > 0).all()
-    assert (F.elu(x) + 1 == 0).all()  # what the textbook form would give
+    """1 + elu(x) = e^x for x < 0. The textbook F.elu(x) + 1 cancels to exactly 0 at x = -10 in bf16
+    and at x = -30 even in float32 (where the map computes), zeroing a whole row of weights."""
+    x = torch.tensor([-10.0, -30.0], dtype=torch.bfloat16).view(1, 1, 1, 2)
+    qf, _ = fm.make_feature_map("elu", 2)(x, x)
+    assert torch.allclose(qf, x.float().exp(), rtol=1e-6)
+    assert (F.elu(x) + 1 == 0).all() and (F.elu(x.float()) + 1)[..., 1] == 0  # the textbook form
 
 
 @pytest.mark.parametrize("name", ["exp", "hedgehog", "performer", "dijiang", "elu", "taylor", "oal", "taylorshift"])
