@@ -225,6 +225,7 @@ def main(cfg):
         dist.all_gather(gathered, flat)  # every rank's weights: DDP keeps them identical
         if master:
             print(f"ranks in sync: {all(torch.equal(g, flat) for g in gathered)}")
+        dist.barrier()  # both ranks done with gloo before either tears it down (else an abort at exit)
         dist.destroy_process_group()
     if not master:
         return
