@@ -5,7 +5,7 @@ Command-line overrides for the plain config block at the top of each script (the
 
 Each --key=value must name an existing setting; the value is parsed to that setting's type.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
-pick_device() resolves the scripts' device = "auto".
+pick_device() resolves the scripts' device = "auto"; pyplot() imports matplotlib only when it is there.
 """
 import sys
 
@@ -49,3 +49,15 @@ def pick_device(name="auto"):
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def pyplot():
+    """matplotlib.pyplot with a file-only backend, or None (and a message) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figures (pip install matplotlib)")
+        return None
+    return plt

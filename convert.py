@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import distill
 import train_gpt
-from configurator import configure, pick_device
+from configurator import configure, pick_device, pyplot
 from feature_maps import contribution_scores, find_groups, make_feature_map
 
 # ---- config: plain values, override with --key=value ----
@@ -279,12 +279,8 @@ def report(records, teacher_ppl, cfg):
 
 @torch.no_grad()
 def plot(teacher, converted, idx, layer, out_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figures (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     from attention import attention_weights
     q, k, _ = teacher_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's

@@ -264,12 +264,9 @@ def benchmark(heads, dim, lengths, threads, repeats, quadratic_max, out):
 
 
 def _plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure")
+    from configurator import pyplot
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name in dict.fromkeys(r["method"] for r in rows):

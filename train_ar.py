@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Block
-from configurator import configure, pick_device
+from configurator import configure, pick_device, pyplot
 from feature_maps import FEATURE_MAPS, contribution_scores, find_groups
 
 # ---- config: plain values, override with --key=value ----
@@ -221,12 +221,8 @@ def summarize(records):
 
 
 def plot(records, models, x, out_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figures (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5, 4))
     for r in records:
