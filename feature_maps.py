@@ -449,8 +449,3 @@ def make_feature_map(name, head_dim, num_heads=1, **kwargs):
         return OAL(head_dim, num_heads, max_groups=1, **kwargs)
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)
 
-
-def feature_dim(name, head_dim, **kwargs):
-    """F, the size of the features of map `name` at head dim D (for the README table and budgets)."""
-    q = torch.zeros(1, 1, 1, head_dim)
-    return make_feature_map(name, head_dim, 1, **kwargs)(q, q)[0].shape[-1]
