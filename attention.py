@@ -28,12 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from feature_maps import make_feature_map
+from feature_maps import _fp32, make_feature_map
 from kernel import causal_linear_attention
-
-
-def _fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def causal_mask(T, device=None):
