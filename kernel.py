@@ -10,21 +10,23 @@ Causal linear attention, fast: a Triton kernel (forward and backward) and a chun
         backend "torch": the chunked fallback; "triton": the kernel; "auto": Triton on CUDA tensors
         (or on CPU tensors when TRITON_INTERPRET=1 was set before import), else the fallback.
 
-Everything is built from one primitive, an unnormalised causal "dot" over time,
+Both compute the same chunked algorithm: split time into chunks of C tokens; within a chunk, the
+masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_j v_j^T (F x Dv) and
+z = sum_j k_j, kept in float32. Memory is linear in T.
+
+The Triton kernel implements one primitive, an unnormalised causal "dot" over time,
 
     causal_dot(a, b, c)_i = sum_{j<=i} (a_i . b_j) c_j          (reverse=True: sum over j >= i),
 
-computed in chunks of C tokens: within a chunk, the masked quadratic form (a b^T * mask) c; across
-chunks, a running state sum_j b_j c_j^T of size K x Dc, kept in float32.
 - Forward: the denominator is one more value column: causal_dot(qf, kf, [v, 1]) gives [num, den].
 - Backward: with do = [dy / den, -(dy . y) / den] (the gradient with respect to [num, den]), the
   three gradients are three more causal dots:
       dqf_i = sum_{j<=i} (do_i . [v, 1]_j) kf_j        causal_dot(do, [v, 1], kf)
       dkf_j = sum_{i>=j} ([v, 1]_j . do_i) qf_i        causal_dot([v, 1], do, qf, reverse=True)
       dv_j  = sum_{i>=j} (kf_j . qf_i) dnum_i          causal_dot(kf, qf, dnum, reverse=True)
-So the Triton kernel and the PyTorch fallback each implement causal_dot once, and one
-autograd.Function uses either. The recurrent (one token at a time) form is
-attention.linear_attention_step; tests check it equals this parallel form.
+The PyTorch fallback (what CPU users run) writes the same algebra out per chunk instead, so that the
+backward reuses the forward's chunk scores and states (see _ChunkedLinearAttention). The recurrent
+(one token at a time) form is attention.linear_attention_step; tests check it equals this parallel form.
 
 Where this was tested: the Triton kernel was checked against a float64 reference in the Triton CPU
 interpreter (TRITON_INTERPRET=1, triton 3.9, float32/bfloat16/float16 inputs, float32 arithmetic).
@@ -49,38 +51,74 @@ except ImportError:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, so read it here too
 
 # ----------------------------------------------------------------------------------------------
-# PyTorch fallback: the chunked form
+# PyTorch fallback: the chunked form, with a backward that reuses the forward's work
 
 
-def causal_dot_torch(a, b, c, reverse=False, chunk=None):
-    """out_i = sum_{j<=i} (a_i . b_j) c_j (j >= i if reverse), chunked.
+def _exclusive_cumsum(x, reverse=False):
+    """out[:, n] = sum of x[:, m] over m < n (m > n if reverse). x: (BH, N, ...), N = number of chunks.
+    A loop over chunks of in-place adds: exact running sums, and faster on CPU than cumsum over dim 1."""
+    out = torch.zeros_like(x)
+    N = x.shape[1]
+    for n in (range(N - 2, -1, -1) if reverse else range(1, N)):
+        m = n + 1 if reverse else n - 1
+        torch.add(out[:, m], x[:, m], out=out[:, n])
+    return out
 
-    a, b: (B, H, T, K), c: (B, H, T, Dc) -> (B, H, T, Dc) in float32 (float64 stays float64).
-    Memory is linear in T: T/C chunk states of K x Dc and T/C blocks of C x C.
-    Per token the work is C (K + Dc) multiply-adds within the chunk plus 2 K Dc for the state, so
-    the default chunk balances the two: C = 2 K Dc / (K + Dc), as a power of 2 in [16, 128]
-    (64 at K = Dc = 64; by measurement on CPU, 32 and 128 are 10-30% slower there).
+
+class _ChunkedLinearAttention(torch.autograd.Function):
+    """Causal linear attention in chunks of C tokens, forward and backward by hand.
+
+    Per chunk (rows = its C tokens; S, z = the sums over all earlier chunks):
+        A   = tril(q k^T)                                 (C, C)  the chunk's own causal scores
+        num = A v + q S,      S = sum_{earlier} k^T v     (C, Dv)
+        den = A 1 + q z + eps, z = sum_{earlier} k^T 1    (C, 1)
+        y   = num / den
+    Backward, with dnum = dy / den and dden = -(dy . y) / den (both per row):
+        G  = tril(dnum v^T + dden 1^T)        (C, C)  G_ij = d(score_ij), shared by dq and dk
+        dq = G k + dnum S^T + dden z^T
+        dk = G^T q + v R^T + 1 r^T,           R = sum_{later} q^T dnum,  r = sum_{later} q^T dden
+        dv = A^T dnum + k R
+    The forward's A and S are saved and reused, so forward + backward is 12 batched C x 64 x 64-sized
+    matmuls (three separate causal dots would take 16), and the denominator is kept out of the matmuls
+    (a 65th column slows them down). Sums run in float32 (float64 stays float64).
     """
-    B, H, T, K = a.shape
-    if chunk is None:
-        Dc = c.shape[-1]
-        chunk = min(128, max(16, 2 ** round(math.log2(2 * K * Dc / (K + Dc)))))
-    dtype = torch.promote_types(c.dtype, torch.float32)
-    pad = (-T) % chunk  # zero rows at the end add nothing to the sums
-    if pad:
-        a, b, c = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
-    a, b, c = (x.to(dtype).unflatten(2, (-1, chunk)).flatten(0, 2) for x in (a, b, c))  # (B*H*N, C, .)
-    scores = a @ b.transpose(-1, -2)  # (B*H*N, C, C), within each chunk
-    scores = scores.triu_() if reverse else scores.tril_()
-    kv = (b.transpose(-1, -2) @ c).unflatten(0, (B * H, -1))  # (B*H, N, K, Dc): each chunk's sum_j b_j c_j^T
-    N = kv.shape[1]
-    order = list(reversed(range(N))) if reverse else list(range(N))
-    state = torch.empty_like(kv)  # state[:, n] = sum of kv over the chunks before n (after n, if reverse)
-    state[:, order[0]] = 0
-    for prev, n in zip(order, order[1:]):
-        torch.add(state[:, prev], kv[:, prev], out=state[:, n])
-    out = torch.baddbmm(scores @ c, a, state.flatten(0, 1))  # intra-chunk + a @ state, (B*H*N, C, Dc)
-    return out.view(B, H, -1, c.shape[-1])[:, :, :T]
+
+    @staticmethod
+    def forward(ctx, qf, kf, v, eps, chunk):
+        B, H, T, F_ = qf.shape
+        Dv = v.shape[-1]
+        ctx.dtypes = (qf.dtype, kf.dtype, v.dtype)
+        dtype = torch.promote_types(v.dtype, torch.float32)
+        pad = (-T) % chunk  # zero rows at the end add nothing to the sums
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (qf, kf, v))
+        q, k, v = (x.to(dtype).reshape(-1, chunk, x.shape[-1]) for x in (q, k, v))  # (B*H*N, C, .)
+        BH, N = B * H, q.shape[0] // (B * H)
+        A = torch.bmm(q, k.transpose(1, 2)).tril_()  # (BHN, C, C)
+        S = _exclusive_cumsum(torch.bmm(k.transpose(1, 2), v).view(BH, N, F_, Dv)).view(-1, F_, Dv)
+        z = _exclusive_cumsum(k.sum(1).view(BH, N, F_)).view(-1, F_, 1)
+        num = torch.bmm(A, v).baddbmm_(q, S)  # (BHN, C, Dv)
+        den = torch.bmm(q, z).add_(A.sum(-1, keepdim=True)).add_(eps)  # (BHN, C, 1)
+        y = num.div_(den)
+        ctx.save_for_backward(q, k, v, A, S, z, y, den)
+        return y.view(B, H, -1, Dv)[:, :, :T].to(ctx.dtypes[2])
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, A, S, z, y, den = ctx.saved_tensors
+        BHN, C, F_ = q.shape
+        B, H, T, Dv = dy.shape
+        BH, N = B * H, BHN // (B * H)
+        if N * C > T:
+            dy = F.pad(dy, (0, 0, 0, N * C - T))
+        dnum = dy.to(y.dtype).reshape(BHN, C, Dv) / den
+        dden = -(dnum * y).sum(-1, keepdim=True)  # (BHN, C, 1)
+        G = torch.bmm(dnum, v.transpose(1, 2)).add_(dden).tril_()  # (BHN, C, C)
+        R = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dnum).view(BH, N, F_, Dv), reverse=True).view(-1, F_, Dv)
+        r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
+        dq = torch.bmm(G, k).baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
+        dk = torch.bmm(G.transpose(1, 2), q).baddbmm_(v, R.transpose(1, 2)).add_(r)
+        dv = torch.bmm(A.transpose(1, 2), dnum).baddbmm_(k, R)
+        return tuple(x.view(B, H, N * C, -1)[:, :, :T].to(t) for x, t in zip((dq, dk, dv), ctx.dtypes)) + (None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +165,9 @@ if HAS_TRITON:
 
 
 def causal_dot_triton(a, b, c, reverse=False, chunk=64):
-    """Same contract as causal_dot_torch, computed by _causal_dot_kernel. Returns float32."""
+    """out_i = sum_{j<=i} (a_i . b_j) c_j (j >= i if reverse), by _causal_dot_kernel.
+
+    a, b: (B, H, T, K), c: (B, H, T, Dc) -> (B, H, T, Dc) in float32."""
     B, H, T, K = a.shape
     DC = c.shape[-1]
     BK = min(128, max(16, triton.next_power_of_2(K)))  # tl.dot needs tiles of at least 16
@@ -145,22 +185,23 @@ def causal_dot_triton(a, b, c, reverse=False, chunk=64):
 # the differentiable, normalised attention
 
 
-class _CausalLinearAttention(torch.autograd.Function):
+class _TritonLinearAttention(torch.autograd.Function):
+    """Forward: one causal dot with the denominator as an extra value column; backward: three more."""
+
     @staticmethod
-    def forward(ctx, qf, kf, v, eps, backend):
-        dot = causal_dot_triton if backend == "triton" else causal_dot_torch
+    def forward(ctx, qf, kf, v, eps):
+        dot = causal_dot_triton
         v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, Dv+1): last column = denominator
         out = dot(qf, kf, v1)
         den = out[..., -1:] + eps  # (B, H, T, 1) = qf_i . z_i + eps
         y = out[..., :-1] / den  # (B, H, T, Dv)
         ctx.save_for_backward(qf, kf, v, y, den)
-        ctx.dot = dot
         return y.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         qf, kf, v, y, den = ctx.saved_tensors
-        dot = ctx.dot
+        dot = causal_dot_triton
         dnum = dy.to(y.dtype) / den  # dL/dnum, (B, H, T, Dv)
         dden = -(dnum * y).sum(-1, keepdim=True)  # dL/dden = -(dy . y) / den, (B, H, T, 1)
         do = torch.cat([dnum, dden], dim=-1)  # (B, H, T, Dv+1)
@@ -168,7 +209,7 @@ class _CausalLinearAttention(torch.autograd.Function):
         dqf = dot(do, v1, kf)
         dkf = dot(v1, do, qf, reverse=True)
         dv = dot(kf, qf, dnum, reverse=True)
-        return dqf.to(qf.dtype), dkf.to(kf.dtype), dv.to(v.dtype), None, None
+        return dqf.to(qf.dtype), dkf.to(kf.dtype), dv.to(v.dtype), None
 
 
 def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
@@ -185,7 +226,13 @@ def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
         why = "triton is not installed" if not HAS_TRITON else \
             f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
         raise RuntimeError(f"backend='triton' cannot run here: {why}. Use backend='torch'.")
-    return _CausalLinearAttention.apply(qf, kf, v, eps, backend)
+    if backend == "triton":
+        return _TritonLinearAttention.apply(qf, kf, v, eps)
+    # chunk C balances the per-token work within a chunk, C (F + Dv), against the state's, 2 F Dv:
+    # C = 2 F Dv / (F + Dv) as a power of 2 in [16, 128] (64 at F = Dv = 64, the fastest there by measurement)
+    F_, Dv = qf.shape[-1], v.shape[-1]
+    chunk = min(128, max(16, 2 ** round(math.log2(2 * F_ * Dv / (F_ + Dv)))))
+    return _ChunkedLinearAttention.apply(qf, kf, v, eps, chunk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,18 +240,19 @@ def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
 
 
 def _time(fn, repeats):
-    """Best of `repeats` wall-clock seconds (after one warm-up call)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
+    """Best of `repeats` wall-clock seconds after one warm-up call (of one call, when that took over 1 s)."""
+    times = []
+    for _ in range(1 + repeats):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+        if times[0] > 1.0 and len(times) == 2:
+            break
+    return min(times[1:])
 
 
 def benchmark(heads, dim, lengths, threads, repeats, quadratic_max, out):
@@ -245,12 +293,11 @@ def benchmark(heads, dim, lengths, threads, repeats, quadratic_max, out):
             if name.startswith("linear, quadratic") and T > quadratic_max:
                 continue  # T x T weights per head: out of memory beyond this
             ins = [x.detach().requires_grad_() for x in (q, k, v)]
-            r = max(1, repeats if T <= 4096 else repeats // 3)
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
-                fwd = _time(lambda: fn(*ins), r)
-            both = _time(lambda: fn(*ins).sum().backward(), r)
+                fwd = _time(lambda: fn(*ins), repeats)
+            both = _time(lambda: fn(*ins).sum().backward(), repeats)
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else None
             rows.append({"method": name, "T": T, "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "peak_mib": peak})
             print(f"{name:<24} {T:>6} {fwd * 1e3:>9.1f} {both * 1e3:>11.1f} {'n/a' if peak is None else f'{peak:.0f}':>9}", flush=True)
@@ -290,7 +337,7 @@ if __name__ == "__main__":
         "dim": 64,
         "lengths": "256,1024,4096,16384,32768" if gpu else "1024,4096,16384",
         "threads": 1,  # CPU threads (one, as the targets in the README are stated)
-        "repeats": 3,
+        "repeats": 5,
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
     })

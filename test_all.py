@@ -107,10 +107,10 @@ def test_kernel_gradcheck():
     assert torch.autograd.gradcheck(lambda *x: kernel.causal_linear_attention(*x, backend="torch"), args)
 
 
-@needs_triton
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,F,Dv", [(1, 4, 3), (70, 33, 17), (130, 300, 130)])
-def test_triton_kernel_matches_float64(dtype, T, F, Dv):
+def test_kernel_matches_float64(backend, dtype, T, F, Dv):
     """Forward and gradients, odd sizes: T not a multiple of the chunk, F over one 128 tile (3 K tiles),
     Dv + 1 over one tile. Inputs are rounded to `dtype`; the reference sees the same rounded values."""
     g = torch.Generator().manual_seed(0)
@@ -118,15 +118,15 @@ def test_triton_kernel_matches_float64(dtype, T, F, Dv):
     v = torch.randn(2, 2, T, Dv, generator=g).to(dtype)
     dy = torch.randn(2, 2, T, Dv, generator=g)
     ins = [x.to(DEV).requires_grad_() for x in (qf, kf, v)]
-    y = kernel.causal_linear_attention(*ins, backend="triton")
+    y = kernel.causal_linear_attention(*ins, backend=backend)
     grads = torch.autograd.grad(y, ins, dy.to(DEV).to(dtype))
     ref_in = [x.double().requires_grad_() for x in (qf, kf, v)]
     ref = linear_attention_quadratic(*ref_in)
     ref_grads = torch.autograd.grad(ref, ref_in, dy.to(dtype).double())
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]  # output rounding of each dtype
-    if DEV == "cuda":
+    if DEV == "cuda" and backend == "triton":
         tol = max(tol, 2e-3)  # TF32 dots
-    assert y.dtype == dtype
+    assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
     for got, r in zip([y] + list(grads), [ref] + list(ref_grads)):
         # relative to the reference's norm, floored: at T = 1 the q, k gradients are exactly 0 (y_0 = v_0)
         err = (got.double().cpu() - r).norm() / (r.norm() + 1e-3 * r.numel() ** 0.5)
