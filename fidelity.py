@@ -99,14 +99,14 @@ def held_out_sentences(text, encode, special, n, max_tokens):
 
 def build_map(name, attn, q, k, v, cfg):
     """A feature map for one layer's heads, distilled on calibration q, k, v when it has parameters.
-    Returns (map, groups per head or None)."""
+    Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
     fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
     groups = None
     if name == "oal":  # OAL Sec. 4.2: stable-gap groups from per-sequence contribution scores
         scores = contribution_scores(q, k, attn.causal)  # (B, H, D)
         groups = torch.stack([find_groups(scores[:, h]) for h in range(attn.n_heads)])
         fmap.set_groups(groups)
-        groups = [int(g.max()) + 1 for g in groups]
+        groups = groups.tolist()
     if any(p.requires_grad for p in fmap.parameters()):
         distill.distill_feature_map(fmap, q, k, v, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
                                     causal=attn.causal)
@@ -246,9 +246,17 @@ def report(rows, names, lengths, contrib, groups, convert, cfg):
     print("\ncontribution share of the top 10% of dimensions per head (uniform would be 0.10); OAL groups per head")
     for i, c in contrib.items():
         top = c["top_share"]
-        print(f"layer {i}: mean {sum(top) / len(top):.2f}, max {max(top):.2f}" + (f"; groups {groups[i]}" if i in groups else ""))
-    for which, res in convert.items():
-        print(f"\nconversion, {which} layers: " + ", ".join(f"{n} " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()) for n, r in res.items()))
+        print(f"layer {i}: mean {sum(top) / len(top):.2f}, max {max(top):.2f}" +
+              (f"; groups {[max(g) + 1 for g in groups[i]]}" if i in groups else ""))
+    if convert:
+        sents = "cosine" in convert["all"]["original"]
+        print("\nconversion: " + ("cosine of the sentence embeddings with the original's, mean / min over held-out sentences"
+                                 if sents else "perplexity on the held-out windows"))
+        print(f"{'map':<12} {'all layers':>14} {'middle layers':>14}")
+        for name in convert["all"]:
+            cell = lambda r: f"{r['cosine']:.3f} / {r['cosine_min']:.3f}" if "cosine_min" in r else \
+                (f"{r['cosine']:.3f}" if sents else f"{r['ppl']:.2f}")
+            print(f"{name:<12} {cell(convert['all'][name]):>14} {cell(convert['middle'][name]):>14}")
     return summary
 
 
@@ -262,25 +270,29 @@ def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
     with torch.no_grad():
         panels = [("softmax", attention_weights(q, k, causal=causal))]
         panels += [(n, attention_weights(q, k, fmaps[n][i], causal=causal)) for n in names]
-    cols = 7
-    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(2.2 * cols, 2.4 * math.ceil(len(panels) / cols)))
+    cols = min(7, len(panels))
+    vmax = panels[0][1][0, 0].quantile(0.99).item()  # one colour scale for all, set by softmax
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.7 * rows))
     for ax in axes.flat:
         ax.axis("off")
     for ax, (n, w) in zip(axes.flat, panels):
-        ax.imshow(w[0, 0].numpy(), cmap="viridis")
+        ax.imshow(w[0, 0].numpy(), cmap="viridis", vmin=0, vmax=vmax)
         ax.set_title(n, fontsize=9)
-    fig.suptitle(f"layer {i}, head 0: attention weights on a held-out window")
+    fig.suptitle(f"layer {i}, head 0: attention weights on a held-out window (colour scale clipped at softmax's 99th percentile)")
     fig.tight_layout()
     fig.savefig(prefix + "_attention.png", dpi=110)
 
     # OAL Fig. 1: the head whose top dimensions carry the most
     i, h = max(((i, h) for i in contrib for h in range(len(contrib[i]["top_share"]))), key=lambda ih: contrib[ih[0]]["top_share"][ih[1]])
     fig, axes = plt.subplots(1, 3, figsize=(13, 3))
+    group = groups[i][h] if i in groups else [0] * len(contrib[i]["share"][h])
+    colours = [f"C{g}" for g in group]  # bars coloured by OAL's group
     for ax, key, title in zip(axes, ("q_abs", "k_abs", "share"), ("mean |q_l|", "mean |k_l|", "share of sum_l |q_l k_l|")):
-        ax.bar(range(len(contrib[i][key][h])), contrib[i][key][h])
+        ax.bar(range(len(group)), contrib[i][key][h], color=colours)
         ax.set(title=title, xlabel="dimension l")
     fig.suptitle(f"layer {i}, head {h}: top 10% of dimensions carry {contrib[i]['top_share'][h]:.0%} of the contribution"
-                 + (f"; OAL found {groups[i][h]} group(s)" if i in groups else ""))
+                 + (f"; OAL's groups: {max(group) + 1} (colours)" if i in groups else ""))
     fig.tight_layout()
     fig.savefig(prefix + "_contributions.png", dpi=110)
     print(f"figures: {prefix}_attention.png, {prefix}_contributions.png")

@@ -114,3 +114,23 @@ def test_fidelity_report_smoke(tmp_path):
     cos = r["conversion"]["all"]["hedgehog"]
     assert -1 <= cos["cosine_min"] <= cos["cosine"] <= 1 + 1e-6
     assert len(r["contributions"]["0"]["top_share"]) == 12
+
+
+@needs_transformers
+def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
+    """The causal (GPT-2) path of fidelity.py end to end, on a small random GPT-2 and a character
+    tokenizer standing in for the download: windows without [CLS]/[SEP], perplexity for conversion."""
+    import fidelity
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=128,
+                                    bos_token_id=0, eos_token_id=0))
+    chars = lambda s, verbose=False: {"input_ids": [ord(c) % 128 for c in s]}
+    monkeypatch.setattr(pretrained, "load_gpt2", lambda name: (pretrained.gpt2_from_transformers(hf), chars))
+    cfg = dict(fidelity.config, model="gpt2", maps="elu,hedgehog", convert_maps="hedgehog", steps=2, calib=2,
+               test=2, seq_len=16, lengths="32,128", plots=False, results=str(tmp_path / "f.json"))
+    fidelity.main(cfg)
+    r = json.load(open(tmp_path / "f.json"))
+    assert set(r["rows"][0]["by_length"]) == {"32"}  # 128 is past the model's 64 positions: skipped
+    conv = r["conversion"]["all"]
+    assert conv["original"]["ppl"] > 1 and conv["hedgehog"]["ppl"] > 1
