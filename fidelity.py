@@ -4,9 +4,10 @@ Tables 4-5, Fig. 7; OAL Sec. 3, 5.1, Fig. 1.)
 
     python fidelity.py                  # all-MiniLM-L6-v2 (offline), every feature map, every layer
     python fidelity.py --model=gpt2     # pretrained GPT-2 through transformers (online)
+    python fidelity.py --model=gpt2 --text=wikitext103_valid.txt   # any text file
 
-Text: windows of the Python reference manual (`pydoc_data.topics`): calibration windows from its first
-80%, held-out windows and sentences from the rest. Four parts:
+Text: windows of the Python reference manual (`pydoc_data.topics`) or of --text: calibration windows
+from its first 80%, held-out windows and sentences from the rest. Four parts:
  1. Fidelity. At each layer every feature map goes behind the frozen q, k, v: fixed maps as they are,
     learned ones distilled on the calibration windows (Hedgehog's cross-entropy on the weights; OAL's
     output MSE for quadratic and oal, oal after its contribution-based grouping). Scored on held-out
@@ -42,6 +43,7 @@ from train_gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
 model = "minilm"  # "minilm" (offline) or a GPT-2 name for transformers ("gpt2", "gpt2-medium", ...)
+text = "pydoc"  # "pydoc" (the Python reference manual) or a .txt file: calibration from its first 80%, held out the rest
 maps = "elu,relu,exp,performer,cosformer,taylor,dijiang,taylorshift,t2r,hedgehog,quadratic,oal"
 layers = "all"  # "all" or a comma-separated list of layer indices
 seq_len = 64  # calibration and scoring windows, in tokens
@@ -179,7 +181,7 @@ def main(cfg):
         raise SystemExit(f"error: convert_maps {sorted(unknown)} are not in maps")
     lengths = [T for T in (int(t) for t in cfg["lengths"].split(",") if t) if T <= model.block_size]
 
-    text = load_text("pydoc")
+    text = load_text(cfg["text"])
     cut = int(0.8 * len(text))
     gen = torch.Generator().manual_seed(cfg["seed"])
     train_ids, test_tok = torch.tensor(encode(text[:cut])), torch.tensor(encode(text[cut:]))
