@@ -12,8 +12,11 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
 
     python convert.py                                     # every method on the same budget
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
+    python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
-Reads the softmax checkpoint of train_gpt.py (out/ckpt.pt; trains one first if there is none),
+Reads the softmax checkpoint of train_gpt.py (out/ckpt.pt; trains one first if there is none), or
+with --init=gpt2 (any GPT-2 name) pretrained GPT-2 through transformers, with --data tokenised by
+GPT-2's own tokenizer (the last 10% is validation),
 prints validation perplexity after each stage and attention fidelity (KL, entropy, monotonicity,
 output RelMSE) per method, saves results/convert.json and, with matplotlib, results/convert_monotonicity.png
 (Hedgehog Fig. 3) and results/convert_attention.png (Hedgehog Fig. 7).
@@ -35,6 +38,8 @@ from feature_maps import contribution_scores, find_groups, make_feature_map
 
 # ---- config: plain values, override with --key=value ----
 ckpt = "out/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
+init = "ckpt"  # "ckpt", or a pretrained GPT-2 name for transformers: "gpt2", "gpt2-medium", ...
+data = "pydoc"  # with --init=gpt2*: "pydoc", "wikitext103" (downloads) or a .txt file
 methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
 layers = "all"  # "all", or "middle": softmax stays in the first and last layers (OAL Sec. 5.2)
 distill_iters = 60
@@ -180,6 +185,15 @@ def fidelity(model, idx, layer_ids):
 
 
 def load_teacher(cfg, dev):
+    if cfg["init"] != "ckpt":
+        import pretrained
+        try:
+            model, tok = pretrained.load_gpt2(cfg["init"])
+        except RuntimeError as e:
+            raise SystemExit(f"error: {e}") from None
+        ids = torch.tensor(tok(train_gpt.load_text(cfg["data"]), verbose=False)["input_ids"])
+        n = int(0.9 * len(ids))
+        return model.to(dev), ids[:n], ids[n:]
     if not os.path.exists(cfg["ckpt"]):
         print(f"no checkpoint at {cfg['ckpt']}: training the softmax teacher first (python train_gpt.py)")
         train_gpt.main(dict(train_gpt.config, out_dir=os.path.dirname(cfg["ckpt"]) or "."))

@@ -134,3 +134,21 @@ def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
     assert set(r["rows"][0]["by_length"]) == {"32"}  # 128 is past the model's 64 positions: skipped
     conv = r["conversion"]["all"]
     assert conv["original"]["ppl"] > 1 and conv["hedgehog"]["ppl"] > 1
+
+
+@needs_transformers
+def test_convert_from_gpt2(monkeypatch, tmp_path):
+    """convert.py --init=gpt2 end to end on a small random GPT-2 and a character tokenizer standing in
+    for the download: the teacher's perplexity is the softmax record, and a converted model trains."""
+    import convert
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=128,
+                                    bos_token_id=0, eos_token_id=0))
+    chars = lambda s, verbose=False: {"input_ids": [ord(c) % 128 for c in s]}
+    monkeypatch.setattr(pretrained, "load_gpt2", lambda name: (pretrained.gpt2_from_transformers(hf), chars))
+    cfg = dict(convert.config, init="gpt2", methods="softmax,hedgehog", distill_iters=2, finetune_iters=2,
+               eval_iters=1, batch_size=2, device="cpu", plots=False, results=str(tmp_path / "c.json"))
+    records = convert.main(cfg)
+    assert [r["method"] for r in records] == ["softmax", "hedgehog"]
+    assert all(r["val_ppl"] > 1 for r in records) and records[1]["trainable_params"] > 0
