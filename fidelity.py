@@ -38,7 +38,7 @@ import distill
 import pretrained
 from attention import attention_weights, linear_attention_quadratic, softmax_attention
 from configurator import configure, pyplot
-from feature_maps import contribution_scores, find_groups, make_feature_map
+from feature_maps import FEATURE_MAPS, contribution_scores, find_groups, make_feature_map
 from train_gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
@@ -170,15 +170,18 @@ def conversion(model, fmaps, names, layer_ids, sentences, test_ids):
 def main(cfg):
     t0 = time.time()
     torch.manual_seed(cfg["seed"])
+    names = cfg["maps"].split(",")
+    convert_names = [n for n in cfg["convert_maps"].split(",") if n]
+    if set(names) - set(FEATURE_MAPS):
+        raise SystemExit(f"error: unknown maps {sorted(set(names) - set(FEATURE_MAPS))}; valid: {', '.join(FEATURE_MAPS)}")
+    if set(convert_names) - set(names):
+        raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
     model, encode, special = load(cfg["model"])
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
     layer_ids = list(range(L)) if cfg["layers"] == "all" else [int(i) for i in cfg["layers"].split(",")]
-    names = cfg["maps"].split(",")
-    convert_names = [n for n in cfg["convert_maps"].split(",") if n]
-    unknown = set(convert_names) - set(names)
-    if unknown:
-        raise SystemExit(f"error: convert_maps {sorted(unknown)} are not in maps")
+    if not all(0 <= i < L for i in layer_ids):
+        raise SystemExit(f"error: --layers={cfg['layers']}: the model has layers 0..{L - 1}")
     lengths = [T for T in (int(t) for t in cfg["lengths"].split(",") if t) if T <= model.block_size]
 
     text = load_text(cfg["text"])

@@ -152,3 +152,9 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
     records = convert.main(cfg)
     assert [r["method"] for r in records] == ["softmax", "hedgehog"]
     assert all(r["val_ppl"] > 1 for r in records) and records[1]["trainable_params"] > 0
+
+
+def test_fidelity_rejects_bad_settings():
+    for args, message in ((["--maps=nope"], "unknown maps"), (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
+        out = subprocess.run([sys.executable, "fidelity.py", *args], capture_output=True, text=True, cwd=HERE)
+        assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
