@@ -124,19 +124,9 @@ def out_rel_mse(attn, q, k, v, fmap):
     return ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()
 
 
-@torch.no_grad()
-def short_fidelity(q, k, v, fmap, causal):
-    """KL and RelMSE only (no monotonicity: its per-row loop is slow at long lengths)."""
-    a, ahat = attention_weights(q, k, causal=causal), attention_weights(q, k, fmap, causal=causal)
-    kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean().item()
-    o = softmax_attention(q, k, v, causal=causal)
-    ohat = linear_attention_quadratic(*fmap(q, k), v, causal=causal)
-    return {"kl": kl, "rel_mse": ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean().item()}
-
-
 def contributions(q, k, causal, top_frac=0.1):
     """Per head: the share of the contribution that the top 10% of dimensions carry (uniform: 10%),
-    and for the whole layer the mean |q|, |k| and share per dimension. q, k: (B, H, T, D)."""
+    and per dimension the mean |q|, the mean |k| and the share. q, k: (B, H, T, D) -> lists over heads."""
     c = contribution_scores(q, k, causal).mean(0)  # (H, D)
     share = c / c.sum(-1, keepdim=True)
     top = max(1, round(top_frac * c.shape[-1]))
@@ -210,7 +200,8 @@ def main(cfg):
             q, k, v = test_qkv[cfg["seq_len"]][i]
             row = {"layer": i, "map": name, **distill.fidelity(q, k, v, fmaps[name][i], causal),
                    "rel_mse_out": out_rel_mse(attn, q, k, v, fmaps[name][i])}
-            row["by_length"] = {T: short_fidelity(*test_qkv[T][i], fmaps[name][i], causal) for T in lengths}
+            row["by_length"] = {T: distill.fidelity(*test_qkv[T][i], fmaps[name][i], causal, monotonicity=False)
+                                for T in lengths}
             rows.append(row)
             print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  after o {row['rel_mse_out']:.3f}  "
                   f"({time.time() - t:.1f} s)", flush=True)

@@ -28,15 +28,15 @@ The PyTorch fallback (what CPU users run) writes the same algebra out per chunk 
 backward reuses the forward's chunk scores and states (see _ChunkedLinearAttention). The recurrent
 (one token at a time) form is attention.linear_attention_step; tests check it equals this parallel form.
 
-Where this was tested: the Triton kernel was checked against a float64 reference in the Triton CPU
-interpreter (TRITON_INTERPRET=1, triton 3.9, float32/bfloat16/float16 inputs, float32 arithmetic).
+Where this was tested: both backends against a float64 reference, forward and gradients, with
+float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernel in
+the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9, float32 arithmetic).
 It has not been compiled or timed on a GPU in this repository yet; on NVIDIA GPUs an fp32 tl.dot
 uses TF32 (about 1e-3 relative error). `python kernel.py` checks correctness, then benchmarks.
 """
 import json
 import math
 import os
-import sys
 import time
 
 import torch

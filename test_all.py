@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 import pytest
 import torch.nn.functional as F
 
-import attention
 import feature_maps as fm
 import kernel
 from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_cumsum,
