@@ -29,12 +29,11 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import distill
 import train_gpt
 from configurator import configure, pick_device, pyplot
-from feature_maps import contribution_scores, find_groups, make_feature_map
+from feature_maps import make_feature_map
 
 # ---- config: plain values, override with --key=value ----
 ckpt = "out/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
@@ -95,36 +94,18 @@ def swap(model, fmap_name, layer_ids):
         attn.fmap = make_feature_map(fmap_name, attn.head_dim, attn.n_heads).to(attn.q.weight.device)
 
 
-@torch.no_grad()
-def teacher_qkv(model, idx, layer_ids):
-    """Each chosen layer's q, k, v (B, H, T, D) on the teacher's hidden states: every layer runs softmax,
-    so layer l's map is fitted to the inputs it would see in the original model."""
-    x = model.tok(idx) + model.pos(torch.arange(idx.shape[1], device=idx.device))
-    out = {}
-    for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.heads(block.ln1(x))
-        if i in layer_ids:
-            out[i] = (q, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        x = x + block.attn.o(y.transpose(1, 2).flatten(2))
-        if block.mlp is not None:
-            x = x + block.mlp(block.ln2(x))
-    return out
-
-
-def set_oal_groups(model, idx, layer_ids):
-    """OAL Sec. 4.2: per (layer, head), contribution scores on calibration sequences, then stable-gap groups."""
+def set_oal_groups(model, teacher, idx, layer_ids):
+    """OAL Sec. 4.2: per (layer, head), contribution scores on the teacher's calibration q, k, then stable-gap groups."""
     groups_found = {}
-    for i, (q, k, _) in teacher_qkv(model, idx, layer_ids).items():
-        scores = contribution_scores(q, k).cpu()  # (B, H, D): one row per calibration sequence
-        groups = torch.stack([find_groups(scores[:, h]) for h in range(scores.shape[1])])
-        model.blocks[i].attn.fmap.set_groups(groups)
+    for i, (q, k, _) in distill.layer_qkv(teacher, idx, layer_ids).items():
+        groups = model.blocks[i].attn.fmap.set_groups_from(q, k)
         groups_found[i] = [int(g.max()) + 1 for g in groups]
     return groups_found
 
 
-def distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev):
-    """Stage 1: train every converted layer's feature map jointly; keep the best on a validation batch."""
+def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev):
+    """Stage 1: train every converted layer's feature map jointly on the teacher's q, k, v; keep the
+    best on a validation batch."""
     for p in model.parameters():
         p.requires_grad_(False)
     params = [p for i in layer_ids for p in model.blocks[i].attn.fmap.parameters()]
@@ -132,7 +113,7 @@ def distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev):
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg["distill_lr"], weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    val = teacher_qkv(model, train_gpt.get_batch(val_ids, model.block_size, cfg["batch_size"], torch.Generator().manual_seed(1), dev)[0], layer_ids)
+    val = distill.layer_qkv(teacher, train_gpt.get_batch(val_ids, model.block_size, cfg["batch_size"], torch.Generator().manual_seed(1), dev)[0], layer_ids)
     total = lambda qkv: sum(distill.distill_loss(model.blocks[i].attn.fmap, q, k, v, loss) for i, (q, k, v) in qkv.items())
     best, best_state = float("inf"), None
     for it in range(cfg["distill_iters"] + 1):
@@ -144,7 +125,7 @@ def distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev):
                 best, best_state = v_loss, [p.detach().clone() for p in params]
         if it == cfg["distill_iters"]:
             break
-        qkv = teacher_qkv(model, train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev)[0], layer_ids)
+        qkv = distill.layer_qkv(teacher, train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev)[0], layer_ids)
         value = total(qkv)
         opt.zero_grad(set_to_none=True)
         value.backward()
@@ -178,9 +159,9 @@ def finetune_model(model, train_ids, cfg, dev):
     return sum(p.numel() for p in params)
 
 
-def fidelity(model, idx, layer_ids):
+def fidelity(model, teacher, idx, layer_ids):
     """distill.fidelity averaged over the converted layers, on the teacher's q, k, v."""
-    rows = [distill.fidelity(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in teacher_qkv(model, idx, layer_ids).items()]
+    rows = [distill.fidelity(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in distill.layer_qkv(teacher, idx, layer_ids).items()]
     return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
 
 
@@ -239,12 +220,12 @@ def main(cfg):
         swap(model, fmap_name, layer_ids)
         print(f"{name}: {fmap_name} in layers {layer_ids}")
         if fmap_name == "oal":
-            print(f"  oal groups per head, by layer: {set_oal_groups(model, calib, layer_ids)}")
+            print(f"  oal groups per head, by layer: {set_oal_groups(model, teacher, calib, layer_ids)}")
         ppl_swap = ev(model)
         if loss is not None:
-            distill_model(model, loss, layer_ids, train_ids, val_ids, cfg, dev)
+            distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
         ppl_distill = ev(model)
-        fid = fidelity(model, probe, layer_ids)
+        fid = fidelity(model, teacher, probe, layer_ids)
         trained = finetune_model(model, train_ids, cfg, dev)
         ppl = ev(model)
         record = {"method": name, "feature_map": fmap_name, "distill_loss": loss, "val_ppl_swap": ppl_swap,
@@ -265,7 +246,7 @@ def main(cfg):
 def fidelity_softmax_entropy(model, idx, layer_ids):
     from attention import attention_weights
     ents = []
-    for q, k, _ in teacher_qkv(model, idx, layer_ids).values():
+    for q, k, _ in distill.layer_qkv(model, idx, layer_ids).values():
         a = attention_weights(q, k)
         ents.append(-(a * a.clamp_min(1e-30).log()).sum(-1).mean().item())
     return sum(ents) / len(ents)
@@ -297,7 +278,7 @@ def plot(teacher, converted, idx, layer, out_dir):
     if plt is None:
         return
     from attention import attention_weights
-    q, k, _ = teacher_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's
+    q, k, _ = distill.layer_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's
     weights = {"softmax": attention_weights(q, k)}
     weights.update({n: attention_weights(q, k, m.blocks[layer].attn.fmap) for n, m in converted.items()})
     dots = (q @ k.transpose(-1, -2))[0, 0, -1]  # last query of head 0: q.k for every key

@@ -19,12 +19,29 @@ Fidelity (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and a
     monotonicity  Spearman correlation between q.k and the linear weight within each row
 
 Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps module with H heads):
+    layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
     distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2) -> list of losses
     fidelity(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
 """
 import torch
 
 from attention import _fp32, attention_weights, linear_attention_quadratic, softmax_attention
+
+
+@torch.no_grad()
+def layer_qkv(model, ids, layer_ids):
+    """q, k, v (B, H, T, D) of the chosen layers when model runs on ids: model.blocks[i].attn's inputs,
+    caught with forward pre-hooks. Run on the softmax teacher, each layer gets the inputs it has in the
+    original model, so a map distilled there is fitted to what it will see."""
+    out = {}
+    hooks = [model.blocks[i].attn.register_forward_pre_hook(lambda m, args, i=i: out.__setitem__(i, m.heads(args[0])))
+             for i in layer_ids]
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
 
 
 def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):

@@ -327,7 +327,7 @@ class OAL(FeatureMap):
 
     F = 1 + D + D(D+1)/2. L starts at the Taylor factor (L_00 = 1, L_g0 = L_g1 = 1/2), which gives
     1 + s + s^2/2 for any grouping. groups: (H, D) group index of each dimension, 0 = the
-    low-contribution bulk; all zeros (one group) until set_groups() is called with find_groups().
+    low-contribution bulk; all zeros (one group) until set_groups() or set_groups_from() is called.
     """
 
     def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
@@ -352,6 +352,13 @@ class OAL(FeatureMap):
         L[one_group, 2:, 0] = L[one_group, 1, 0][:, None]  # row g+1 = row 1: [1, z_1..z_G] L keeps
         L[one_group, 2:, 1] = L[one_group, 1, 1][:, None]  # columns L_00 + L_10 s and L_11 s
         self.groups.copy_(groups)
+
+    def set_groups_from(self, q, k, causal=True):
+        """OAL Sec. 4.2: contribution scores of calibration q, k (B, H, T, D), one row per sequence,
+        then each head's stable-gap groups. Returns the groups, (H, D)."""
+        scores = contribution_scores(q, k, causal).cpu()  # (B, H, D)
+        self.set_groups(torch.stack([find_groups(scores[:, h]) for h in range(scores.shape[1])]))
+        return self.groups
 
     def coefficients(self):
         """a: (H,), b: (H, G), C: (H, G, G) from L (the expanded kernel above)."""

@@ -38,7 +38,7 @@ import distill
 import pretrained
 from attention import attention_weights, linear_attention_quadratic, softmax_attention
 from configurator import configure, pyplot
-from feature_maps import FEATURE_MAPS, contribution_scores, find_groups, make_feature_map
+from feature_maps import FEATURE_MAPS, contribution_scores, make_feature_map
 from train_gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
@@ -105,10 +105,7 @@ def build_map(name, attn, q, k, v, cfg):
     fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
     groups = None
     if name == "oal":  # OAL Sec. 4.2: stable-gap groups from per-sequence contribution scores
-        scores = contribution_scores(q, k, attn.causal)  # (B, H, D)
-        groups = torch.stack([find_groups(scores[:, h]) for h in range(attn.n_heads)])
-        fmap.set_groups(groups)
-        groups = groups.tolist()
+        groups = fmap.set_groups_from(q, k, attn.causal).tolist()
     if any(p.requires_grad for p in fmap.parameters()):
         distill.distill_feature_map(fmap, q, k, v, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
                                     causal=attn.causal)
@@ -184,8 +181,8 @@ def main(cfg):
     print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_heads} heads of {model.blocks[0].attn.head_dim}, "
           f"{'bidirectional' if not causal else 'causal'}; calibration {tuple(calib_x.shape)}, held-out windows at "
           f"{list(test_x)} tokens, {len(sents)} held-out sentences")
-    calib_qkv = pretrained.teacher_qkv(model, calib_x, layer_ids)
-    test_qkv = {T: pretrained.teacher_qkv(model, x, layer_ids) for T, x in test_x.items()}
+    calib_qkv = distill.layer_qkv(model, calib_x, layer_ids)
+    test_qkv = {T: distill.layer_qkv(model, x, layer_ids) for T, x in test_x.items()}
 
     # parts 1 and 3: every map at every layer, distilled once at seq_len, scored at every length
     rows, fmaps, groups, contrib = [], {n: {} for n in names}, {}, {}

@@ -4,7 +4,6 @@ behind their attention (Hedgehog Sec. 5.1, 5.3-5.4; OAL Sec. 5.1-5.2).
 
     model, tok = load_minilm()        # all-MiniLM-L6-v2, offline: BERT, 6 layers, 12 heads of 32, bidirectional
     model, tok = load_gpt2("gpt2")    # GPT-2 124M through `transformers` (downloads once; online)
-    qkv = teacher_qkv(model, ids, layer_ids)   # {layer: (q, k, v)}, each (B, H, T, D)
 
 Both models are built from attention.MultiHeadAttention (separate q, k, v, o projections), so
 convert-style swaps work on them unchanged: `model.blocks[i].attn`. The weights are read from the
@@ -16,7 +15,6 @@ mean of the last hidden states over tokens, L2-normalised (the sentence-transfor
 """
 import os
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -144,18 +142,3 @@ def load_gpt2(name="gpt2"):
         raise RuntimeError(f"could not load {name!r} through transformers (offline?): {first}\n"
                            f"The offline model here is MiniLM: {MINILM_HELP}") from None
     return gpt2_from_transformers(hf), tok
-
-
-@torch.no_grad()
-def teacher_qkv(model, ids, layer_ids):
-    """q, k, v (B, H, T, D) at the chosen layers of a softmax model on ids (B, T): each layer's input is
-    what the original model gives it, so a map distilled there is fitted to what it will see."""
-    out = {}
-    hooks = [model.blocks[i].attn.register_forward_pre_hook(lambda m, args, i=i: out.__setitem__(i, m.heads(args[0])))
-             for i in layer_ids]
-    try:
-        model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out

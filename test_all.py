@@ -585,12 +585,13 @@ def test_lora_starts_as_exact_noop_and_trains_only_adapters():
     assert len(lora) == 2 * 4 * 2  # A and B on q, k, v, o of 2 layers
 
 
-def test_swap_keeps_projections_and_teacher_qkv_matches_model():
-    """teacher_qkv re-implements the softmax forward layer by layer; check it against the model itself."""
+def test_swap_keeps_projections_and_layer_qkv_matches_model():
+    """layer_qkv catches each attention's input with hooks; check it against the blocks run by hand."""
     import convert
+    import distill
     model = tiny_gpt()
     idx = torch.randint(0, 50, (2, 20))
-    qkv = convert.teacher_qkv(model, idx, [0, 1])
+    qkv = distill.layer_qkv(model, idx, [0, 1])
     x = model.tok(idx) + model.pos(torch.arange(20))
     x = model.blocks[0](x)
     q, k, v = model.blocks[1].attn.heads(model.blocks[1].ln1(x))

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import distill
 import pretrained
 from attention import attention_weights
 
@@ -57,7 +58,7 @@ def test_minilm_attention_recomputed_from_the_raw_weights(minilm):
     q, k = (x @ w[a + n + ".weight"].T + w[a + n + ".bias"] for n in ("query", "key"))
     q, k = (y.view(T, 12, 32).transpose(0, 1) for y in (q, k))  # (12, T, 32)
     ref = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(32), -1)
-    q, k, _ = pretrained.teacher_qkv(model, ids, [0])[0]
+    q, k, _ = distill.layer_qkv(model, ids, [0])[0]
     assert torch.allclose(attention_weights(q, k, causal=False)[0], ref, atol=1e-5)
 
 

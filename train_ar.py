@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from attention import Block
 from configurator import configure, pick_device, pyplot
-from feature_maps import FEATURE_MAPS, contribution_scores, find_groups
+from feature_maps import FEATURE_MAPS
 
 # ---- config: plain values, override with --key=value ----
 vocab_size = 40  # tokens 0..19 are keys, 20..39 values (App. B.1)
@@ -195,11 +195,9 @@ def regroup_oal(model, x):
     """OAL's grouping (OAL Sec. 4.2), done once after the first epoch, when q and k mean something:
     contribution scores per (layer, head) on a batch of training sequences, then the stable-gap groups."""
     h = model.embed(x)
-    for block in model.blocks:
+    for block in model.blocks:  # layer by layer: each layer's input comes after the earlier ones are split
         q, k, _ = block.attn.heads(block.ln1(h))
-        scores = contribution_scores(q, k).cpu()  # (B, H, D)
-        groups = torch.stack([find_groups(scores[:, head]) for head in range(scores.shape[1])])
-        block.attn.fmap.set_groups(groups)
+        groups = block.attn.fmap.set_groups_from(q, k)
         print(f"oal: layer groups per head {[int(g.max()) + 1 for g in groups]}")
         h = block(h)
 
