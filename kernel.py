@@ -1,5 +1,5 @@
 """
-Causal linear attention, fast: a Triton kernel (forward and backward) and a chunked PyTorch fallback.
+Causal linear attention, fast: Triton kernels (forward and backward) and a chunked PyTorch fallback.
 
     y_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps),   S_i = sum_{j<=i} phi(k_j) v_j^T,   z_i = sum_{j<=i} phi(k_j)
 
@@ -7,32 +7,41 @@ Causal linear attention, fast: a Triton kernel (forward and backward) and a chun
 
     causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto")
         qf, kf: (B, H, T, F) features, v: (B, H, T, Dv) -> y: (B, H, T, Dv) in v's dtype, differentiable.
-        backend "torch": the chunked fallback; "triton": the kernel; "auto": Triton on CUDA tensors
-        (or on CPU tensors when TRITON_INTERPRET=1 was set before import), else the fallback.
+        backend "torch": the chunked fallback; "triton": the kernels; "auto": Triton on CUDA tensors for
+        the sizes the build check covers (else the fallback, said once), Triton on CPU tensors when
+        TRITON_INTERPRET=1 was set before import, else the fallback.
 
 Both compute the same chunked algorithm: split time into chunks of C tokens; within a chunk, the
 masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_j v_j^T (F x Dv) and
-z = sum_j k_j, kept in float32. Memory is linear in T.
+z = sum_j k_j, kept in float32. Memory is linear in T. The denominator is never a padded value column.
 
-The Triton kernel implements one primitive, an unnormalised causal "dot" over time,
-
-    causal_dot(a, b, c)_i = sum_{j<=i} (a_i . b_j) c_j          (reverse=True: sum over j >= i),
-
-- Forward: the denominator is one more value column: causal_dot(qf, kf, [v, 1]) gives [num, den].
-- Backward: with do = [dy / den, -(dy . y) / den] (the gradient with respect to [num, den]), the
-  three gradients are three more causal dots:
-      dqf_i = sum_{j<=i} (do_i . [v, 1]_j) kf_j        causal_dot(do, [v, 1], kf)
-      dkf_j = sum_{i>=j} ([v, 1]_j . do_i) qf_i        causal_dot([v, 1], do, qf, reverse=True)
-      dv_j  = sum_{i>=j} (kf_j . qf_i) dnum_i          causal_dot(kf, qf, dnum, reverse=True)
-The PyTorch fallback (what CPU users run) writes the same algebra out per chunk instead, so that the
-backward reuses the forward's chunk scores and states (see _ChunkedLinearAttention). The recurrent
-(one token at a time) form is attention.linear_attention_step; tests check it equals this parallel form.
+The Triton design (after flash-linear-attention's chunk kernels): two passes, so that chunks run in parallel.
+  pass 1  _states_kernel   grid (F/BK, Dv/BV, B*H): each program walks the chunks in order and writes the
+                           state before each chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]) to memory.
+  pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
+                           (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles.
+  backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
+                           q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
+                           B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
+Cost per token and head, forward, C = 64: pass 1 2 F Dv flops; pass 2 2 C (F + Dv) + 2 F Dv flops (the
+masked half of each chunk's scores is computed too). At Hedgehog's F = 128, Dv = 64 that is ~57 Kflop,
+against FlashAttention's 2 D T = 4.2 Mflop per token at T = 32K (causal), 73x fewer. Bytes per token and
+head: q, k, v in, y out (float32, then cast), and the state, F Dv 4 / C bytes written once and read once
+(512 B at F = 128, Dv = 64): ~2.3 KB. The states take B H (T/C) F Dv 4 bytes (201 MB at B = 1, H = 12,
+T = 32K, F = 128, Dv = 64), twice that in the backward. Programs per launch at B = 1, H = 12, T = 32K,
+F = 128, Dv = 64: pass 1 96 (each walks 512 chunks in sequence: the serial part), pass 2 6144, dqk
+24576, dv 6144. Expected on an H100 (unmeasured): FlashAttention's causal forward at 32K is 1.65 Tflop,
+~5 ms at ~350 Tflop/s; the linear forward moves ~0.9 GB (~0.3 ms) plus 512 dependent steps of pass 1
+(~0.3 ms at ~0.5 us each), so roughly 5-10x faster at 32K, less with the backward.
+Tiles, warps and stages (_configs) were chosen with the build check: `python kernel.py --build_check`
+compiles every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a
+GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and register spills.
 
 Where this was tested: both backends against a float64 reference, forward and gradients, with
-float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernel in
-the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9, float32 arithmetic).
-It has not been compiled or timed on a GPU in this repository yet; on NVIDIA GPUs an fp32 tl.dot
-uses TF32 (about 1e-3 relative error). `python kernel.py` checks correctness, then benchmarks.
+float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernels in
+the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9, float32 arithmetic), and compiled for sm_80
+and sm_90 by the build check. They have not run on a GPU in this repository yet; on NVIDIA GPUs an fp32
+tl.dot uses TF32 (about 1e-3 relative error). `python kernel.py` checks correctness, then benchmarks.
 """
 import json
 import math
@@ -122,94 +131,353 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel: the same chunked algorithm, one program per (K tile, Dc tile, batch*head)
+# Triton kernels: the same chunked algorithm, parallel over chunks (see the module docstring)
+#
+# Layout: q, k (BH, T, F), v (BH, T, Dv), contiguous; chunk n holds tokens [n C, n C + C).
+# States: S (BH, N, F, Dv) and z (BH, N, F), float32; S[n] is the sum over the chunks before n.
 
 if HAS_TRITON:
 
-    @triton.jit
-    def _causal_dot_kernel(a_ptr, b_ptr, c_ptr, out_ptr, T, K, DC, BH,
-                           CHUNK: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr):
-        # Program (i_k, i_c, i_bh) owns columns [i_k*BK, +BK) of a, b and [i_c*BC, +BC) of c and out.
-        # It walks the chunks in order (backwards if REVERSE) with its slice of the state in registers:
-        #     out_chunk = (a b^T * mask) c + a S;   S += b^T c.
-        # Slices of the K dimension add up, so each writes a partial output; the launcher sums them.
-        i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
+    def _states_kernel(k_ptr, v_ptr, w_ptr, S_ptr, z_ptr, T, F, DV, N,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+        # Pass 1. Program (i_k, i_v, bh) walks the chunks in order (backwards if REVERSE) and writes,
+        # for its (BK, BV) tile, the exclusive running sums  S[n] = sum_{m<n} k_m^T v_m  (m > n if REVERSE)
+        # and, in the i_v = 0 programs, z[n] = sum_{m<n} k_m^T w_m (w: one weight per token).
+        i_k, i_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rk = i_k * BK + tl.arange(0, BK)
-        rc = i_c * BC + tl.arange(0, BC)
-        rt = tl.arange(0, CHUNK)
-        a_ptr += i_bh * T * K
-        b_ptr += i_bh * T * K
-        c_ptr += i_bh * T * DC
-        out_ptr += (i_k * BH + i_bh) * T * DC
-        if REVERSE:
-            mask = rt[:, None] <= rt[None, :]  # token i sees j >= i
-        else:
-            mask = rt[:, None] >= rt[None, :]  # token i sees j <= i
-        state = tl.zeros((BK, BC), dtype=tl.float32)
-        num_chunks = tl.cdiv(T, CHUNK)
-        for it in range(0, num_chunks):
+        rv = i_v * BV + tl.arange(0, BV)
+        rt = tl.arange(0, C)
+        k_ptr += bh * T * F
+        v_ptr += bh * T * DV
+        w_ptr += bh * T
+        S_ptr += bh * N * F * DV
+        z_ptr += bh * N * F
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+        z = tl.zeros((BK,), dtype=tl.float32)
+        for it in range(0, N):
             if REVERSE:
-                n = num_chunks - 1 - it
+                n = N - 1 - it
             else:
                 n = it
-            t = n * CHUNK + rt
-            in_k = (t[:, None] < T) & (rk[None, :] < K)
-            in_c = (t[:, None] < T) & (rc[None, :] < DC)
-            a = tl.load(a_ptr + t[:, None] * K + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (CHUNK, BK)
-            b = tl.load(b_ptr + t[:, None] * K + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (CHUNK, BK)
-            c = tl.load(c_ptr + t[:, None] * DC + rc[None, :], mask=in_c, other=0.0).to(tl.float32)  # (CHUNK, BC)
-            scores = tl.where(mask, tl.dot(a, tl.trans(b)), 0.0)  # (CHUNK, CHUNK)
-            out = tl.dot(scores, c) + tl.dot(a, state)  # (CHUNK, BC)
-            tl.store(out_ptr + t[:, None] * DC + rc[None, :], out, mask=in_c)
-            state += tl.dot(tl.trans(b), c)  # (BK, BC), float32 across chunks
+            tl.store(S_ptr + n * F * DV + rk[:, None] * DV + rv[None, :], S, mask=(rk[:, None] < F) & (rv[None, :] < DV))
+            t = n * C + rt
+            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+            S += tl.dot(tl.trans(k), v)  # (BK, BV)
+            if i_v == 0:
+                tl.store(z_ptr + n * F + rk, z, mask=rk < F)
+                w = tl.load(w_ptr + t, mask=t < T, other=0.0).to(tl.float32)
+                z += tl.sum(k * w[:, None], 0)  # (BK,)
+
+    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
+    def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # Pass 2 (forward). Program (i_v, n, bh): chunk n, value columns [i_v BV, +BV), all F in BK tiles.
+        #     A = tril(q k^T),  y = (A v + q S[n]) / (A 1 + q z[n] + eps)
+        i_v, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rv = i_v * BV + tl.arange(0, BV)
+        rt = tl.arange(0, C)
+        t = n * C + rt
+        q_ptr += bh * T * F
+        k_ptr += bh * T * F
+        S_ptr += (bh * N + n) * F * DV
+        z_ptr += (bh * N + n) * F
+        A = tl.zeros((C, C), dtype=tl.float32)
+        o = tl.zeros((C, BV), dtype=tl.float32)
+        qz = tl.zeros((C,), dtype=tl.float32)
+        for i in range(0, tl.cdiv(F, BK)):
+            rk = i * BK + tl.arange(0, BK)
+            in_k = (t[:, None] < T) & (rk[None, :] < F)
+            q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
+            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
+            z = tl.load(z_ptr + rk, mask=rk < F, other=0.0)
+            A += tl.dot(q, tl.trans(k))  # (C, C)
+            o += tl.dot(q, S)  # (C, BV)
+            qz += tl.sum(q * z[None, :], 1)
+        A = tl.where(rt[:, None] >= rt[None, :], A, 0.0)
+        in_v = (t[:, None] < T) & (rv[None, :] < DV)
+        v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)
+        den = tl.sum(A, 1) + qz + eps  # (C,)
+        y = (o + tl.dot(A, v)) / den[:, None]
+        tl.store(y_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], y, mask=in_v)
+        if i_v == 0:
+            tl.store(den_ptr + bh * T + t, den, mask=t < T)
+
+    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
+    def _dqk_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, S_ptr, z_ptr, R_ptr, r_ptr, dq_ptr, dk_ptr,
+                    T, F, DV, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # Backward, program (i_k, n, bh): feature columns [i_k BK, +BK) of chunk n, all Dv in BV tiles.
+        #     G  = tril(dnum v^T + dden 1^T)
+        #     dq = G k + dnum S[n]^T + dden z[n]^T,     dk = G^T q + v R[n]^T + 1 r[n]^T
+        i_k, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rk = i_k * BK + tl.arange(0, BK)
+        rt = tl.arange(0, C)
+        t = n * C + rt
+        v_ptr += bh * T * DV
+        dnum_ptr += bh * T * DV
+        state = (bh * N + n) * F * DV
+        G = tl.zeros((C, C), dtype=tl.float32)
+        dq = tl.zeros((C, BK), dtype=tl.float32)
+        dk = tl.zeros((C, BK), dtype=tl.float32)
+        for j in range(0, tl.cdiv(DV, BV)):
+            rv = j * BV + tl.arange(0, BV)
+            in_v = (t[:, None] < T) & (rv[None, :] < DV)
+            in_s = (rk[:, None] < F) & (rv[None, :] < DV)
+            v = tl.load(v_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)  # (C, BV)
+            dnum = tl.load(dnum_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
+            S = tl.load(S_ptr + state + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)  # (BK, BV)
+            R = tl.load(R_ptr + state + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)
+            G += tl.dot(dnum, tl.trans(v))
+            dq += tl.dot(dnum, tl.trans(S))
+            dk += tl.dot(v, tl.trans(R))
+        dden = tl.load(dden_ptr + bh * T + t, mask=t < T, other=0.0)
+        G = tl.where(rt[:, None] >= rt[None, :], G + dden[:, None], 0.0)
+        in_k = (t[:, None] < T) & (rk[None, :] < F)
+        q = tl.load(q_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + (bh * N + n) * F + rk, mask=rk < F, other=0.0)
+        r = tl.load(r_ptr + (bh * N + n) * F + rk, mask=rk < F, other=0.0)
+        dq += tl.dot(G, k) + dden[:, None] * z[None, :]
+        dk += tl.dot(tl.trans(G), q) + r[None, :]
+        tl.store(dq_ptr + bh * T * F + t[:, None] * F + rk[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_k)
+        tl.store(dk_ptr + bh * T * F + t[:, None] * F + rk[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_k)
+
+    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
+    def _dv_kernel(q_ptr, k_ptr, dnum_ptr, R_ptr, dv_ptr, T, F, DV, N,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # Backward, program (i_v, n, bh): value columns [i_v BV, +BV) of chunk n, all F in BK tiles.
+        #     dv = A^T dnum + k R[n],   A^T_ji = k_j . q_i for i >= j
+        i_v, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rv = i_v * BV + tl.arange(0, BV)
+        rt = tl.arange(0, C)
+        t = n * C + rt
+        q_ptr += bh * T * F
+        k_ptr += bh * T * F
+        R_ptr += (bh * N + n) * F * DV
+        At = tl.zeros((C, C), dtype=tl.float32)
+        dv = tl.zeros((C, BV), dtype=tl.float32)
+        for i in range(0, tl.cdiv(F, BK)):
+            rk = i * BK + tl.arange(0, BK)
+            in_k = (t[:, None] < T) & (rk[None, :] < F)
+            q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
+            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
+            At += tl.dot(k, tl.trans(q))  # (C, C)
+            dv += tl.dot(k, R)  # (C, BV)
+        At = tl.where(rt[:, None] <= rt[None, :], At, 0.0)
+        in_v = (t[:, None] < T) & (rv[None, :] < DV)
+        dnum = tl.load(dnum_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
+        dv += tl.dot(At, dnum)
+        tl.store(dv_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_v)
 
 
-def causal_dot_triton(a, b, c, reverse=False, chunk=64):
-    """out_i = sum_{j<=i} (a_i . b_j) c_j (j >= i if reverse), by _causal_dot_kernel.
-
-    a, b: (B, H, T, K), c: (B, H, T, Dc) -> (B, H, T, Dc) in float32."""
-    B, H, T, K = a.shape
-    DC = c.shape[-1]
-    BK = min(128, max(16, triton.next_power_of_2(K)))  # tl.dot needs tiles of at least 16
-    BC = min(128, max(16, triton.next_power_of_2(DC)))
-    nk, nc = triton.cdiv(K, BK), triton.cdiv(DC, BC)
-    a, b, c = a.contiguous(), b.contiguous(), c.contiguous()
-    out = torch.empty(nk, B * H, T, DC, device=c.device, dtype=torch.float32)
-    _causal_dot_kernel[(nk, nc, B * H)](a, b, c, out, T, K, DC, B * H, CHUNK=chunk, BK=BK, BC=BC,
-                                        REVERSE=reverse, num_warps=8 if BK * BC >= 8192 else 4)
-    out = out[0] if nk == 1 else out.sum(0)
-    return out.view(B, H, T, DC)
+CHUNK = 64  # tokens per chunk in the Triton kernels
 
 
-# ----------------------------------------------------------------------------------------------
-# the differentiable, normalised attention
+def _tile(n, cap):
+    """A power-of-2 tile for a dimension of size n: at least 16 (tl.dot's minimum), at most cap."""
+    return min(cap, max(16, triton.next_power_of_2(n)))
+
+
+def _configs(F, Dv):
+    """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv. Chosen so that
+    every launch fits sm_80's and sm_90's shared memory and spills no registers (`python kernel.py
+    --build_check` compiles them all and prints the cost of each)."""
+    return {"states": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
+            "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
+            "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
+            "dv": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2)}
+
+
+_launch_log = None  # a list while the build check records launches instead of running them
+
+
+def _launch(kernel, grid, *args, **meta):
+    if _launch_log is not None:
+        _launch_log.append((kernel, grid, args, meta))
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _states(k, v, w, reverse):
+    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32."""
+    BH, T, F_ = k.shape
+    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
+    z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
+    cfg = _configs(F_, Dv)["states"]
+    grid = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), BH)
+    _launch(_states_kernel, grid, k, v, w, S, z, T, F_, Dv, N, C=CHUNK, REVERSE=reverse, **cfg)
+    return S, z
+
+
+def _triton_forward(q, k, v, eps):
+    """q, k (BH, T, F), v (BH, T, Dv) contiguous -> y (BH, T, Dv), den (BH, T), both float32 (the backward
+    needs y exactly: its dden = -(dnum . y) cancels against dnum . v)."""
+    BH, T, F_ = q.shape
+    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    S, z = _states(k, v, torch.ones(BH, T, device=q.device, dtype=torch.float32), reverse=False)
+    y = torch.empty(BH, T, Dv, device=q.device, dtype=torch.float32)
+    den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
+    cfg = _configs(F_, Dv)["output"]
+    _launch(_output_kernel, (triton.cdiv(Dv, cfg["BV"]), N, BH), q, k, v, S, z, y, den, T, F_, Dv, N, eps, C=CHUNK, **cfg)
+    return y, den
+
+
+def _triton_backward(q, k, v, y, den, dy):
+    """Gradients of the forward above for the output gradient dy (BH, T, Dv). States are recomputed."""
+    BH, T, F_ = q.shape
+    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    dnum = dy.float() / den[..., None]  # dL/dnum, (BH, T, Dv)
+    dden = -(dnum * y).sum(-1)  # dL/dden = -(dy . y) / den, (BH, T)
+    S, z = _states(k, v, torch.ones_like(dden), reverse=False)
+    R, r = _states(q, dnum, dden, reverse=True)  # R[n] = sum_{m>n} q_m^T dnum_m, r[n] = sum_{m>n} q_m^T dden_m
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    cfg = _configs(F_, Dv)
+    _launch(_dqk_kernel, (triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH), q, k, v, dnum, dden, S, z, R, r, dq, dk,
+            T, F_, Dv, N, C=CHUNK, **cfg["dqk"])
+    _launch(_dv_kernel, (triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH), q, k, dnum, R, dv, T, F_, Dv, N, C=CHUNK, **cfg["dv"])
+    return dq, dk, dv
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """Forward: one causal dot with the denominator as an extra value column; backward: three more."""
+    """The Triton path: pass 1 (chunk states) then pass 2 (outputs), and the same two passes backward."""
 
     @staticmethod
     def forward(ctx, qf, kf, v, eps):
-        dot = causal_dot_triton
-        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, Dv+1): last column = denominator
-        out = dot(qf, kf, v1)
-        den = out[..., -1:] + eps  # (B, H, T, 1) = qf_i . z_i + eps
-        y = out[..., :-1] / den  # (B, H, T, Dv)
-        ctx.save_for_backward(qf, kf, v, y, den)
-        return y.to(v.dtype)
+        B, H, T, F_ = qf.shape
+        q, k, v3 = (x.reshape(B * H, T, x.shape[-1]).contiguous() for x in (qf, kf, v))
+        y, den = _triton_forward(q, k, v3, eps)
+        ctx.save_for_backward(q, k, v3, y, den)
+        return y.view(B, H, T, -1).to(v.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        qf, kf, v, y, den = ctx.saved_tensors
-        dot = causal_dot_triton
-        dnum = dy.to(y.dtype) / den  # dL/dnum, (B, H, T, Dv)
-        dden = -(dnum * y).sum(-1, keepdim=True)  # dL/dden = -(dy . y) / den, (B, H, T, 1)
-        do = torch.cat([dnum, dden], dim=-1)  # (B, H, T, Dv+1)
-        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        dqf = dot(do, v1, kf)
-        dkf = dot(v1, do, qf, reverse=True)
-        dv = dot(kf, qf, dnum, reverse=True)
-        return dqf.to(qf.dtype), dkf.to(kf.dtype), dv.to(v.dtype), None
+        q, k, v, y, den = ctx.saved_tensors
+        B, H, T, Dv = dy.shape
+        dq, dk, dv = _triton_backward(q, k, v, y, den, dy.reshape(B * H, T, Dv))
+        return dq.view(B, H, T, -1), dk.view(B, H, T, -1), dv.view(B, H, T, -1), None
+
+
+# ----------------------------------------------------------------------------------------------
+# Build check: compile every launch ahead of time for real GPUs, on any machine (no GPU needed)
+
+SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
+BUILD_F = (8, 16, 32, 45, 64, 128, 256, 561, 2145)  # feature sizes the maps produce (45, 2145: Taylor at D 8, 64)
+BUILD_DV = (8, 32, 64, 128)
+
+
+def _recorded_launches(F_, Dv, T, dtype):
+    """The kernel launches of one forward and one backward at these sizes, recorded on meta tensors."""
+    global _launch_log
+    _launch_log = []
+    try:
+        q, k = (torch.empty(1, T, F_, device="meta", dtype=dtype) for _ in range(2))
+        v = torch.empty(1, T, Dv, device="meta", dtype=dtype)
+        y, den = _triton_forward(q, k, v, 1e-6)
+        _triton_backward(q, k, v, y, den, torch.empty_like(v))
+        return _launch_log
+    finally:
+        _launch_log = None
+
+
+def _compile(kernel, args, meta, arch):
+    """Compile one launch for sm_<arch> with the specialisation the JIT would give these arguments.
+    Returns (shared bytes, registers per thread, stack bytes) of the compiled kernel."""
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from triton._C.libtriton import native_specialize_impl
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, arg) in enumerate(zip(kernel.params, list(args) + [meta[p.name] for p in kernel.params[len(args):]])):
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", arg
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize, True)  # ("i32", "D"): divisible by 16
+        signature[param.name] = ty
+        if ty == "constexpr":  # an int equal to 1 is compiled in as a constant
+            constexprs[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(x) for x in __import__("re").search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return compiled.metadata.shared, regs, stack
+
+
+def _programs(kern, F_, Dv, BH, T):
+    """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
+    cfg, N = _configs(F_, Dv)[kern], triton.cdiv(T, CHUNK)
+    if kern == "states":
+        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
+    return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
+
+
+def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, verbose=True):
+    """Compile every launch that causal_linear_attention(backend="triton") makes, forward and backward,
+    for every (F, Dv) in BUILD_F x BUILD_DV and each dtype, for each GPU arch; check that each fits the
+    arch's shared memory per block and spills no registers (a stack frame means spills). Launches that
+    compile to the same code are compiled once. Returns the rows; `ok` is False for a launch that fails."""
+    rows, seen = [], {}
+    for dtype in dtypes:
+        for F_ in BUILD_F:
+            for Dv in BUILD_DV:
+                for kernel, grid, args, meta in _recorded_launches(F_, Dv, T, dtype):
+                    specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
+                    dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
+                    for arch in archs:
+                        key = (kernel.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
+                               tuple(sorted(meta.items())))
+                        if key not in seen:
+                            seen[key] = _compile(kernel, args, meta, arch)
+                        shared, regs, stack = seen[key]
+                        rows.append(dict(kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"), arch=arch,
+                                         dtype=str(dtype).removeprefix("torch."), F=F_, Dv=Dv, programs=grid[0] * grid[1] * grid[2],
+                                         grid=grid, **{k: meta[k] for k in ("BK", "BV", "num_warps", "num_stages")},
+                                         shared=shared, regs=regs, stack=stack,
+                                         ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
+    if verbose:
+        print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
+              f"{len(BUILD_F)} F x {len(BUILD_DV)} Dv x 4 kernels, T = {T}); worst case per kernel, arch and dtype:")
+        print(f"{'kernel':<7} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
+              f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
+        groups = {}
+        for r in rows:
+            groups.setdefault((r["kernel"], r["arch"], r["dtype"]), []).append(r)
+        for (kern, arch, dtype), rs in groups.items():
+            tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
+            print(f"{kern:<7} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {rs[0]['num_warps']:>5} "
+                  f"{rs[0]['num_stages']:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
+                  f" {max(r['regs'] for r in rs):>5} {sum(r['stack'] > 0 for r in rs):>6} {sum(not r['ok'] for r in rs):>4}"
+                  f"   {_programs(kern, 64, 64, 12, 32768)}")
+        bad = [r for r in rows if not r["ok"]]
+        for r in bad:
+            print(f"FAILS: {r}")
+        print(f"build check: {len(rows) - len(bad)} of {len(rows)} launches fit in shared memory and do not spill")
+    return rows
+
+
+def _code_key(F_, Dv):
+    """What decides the compiled code for sizes F_, Dv: the launch settings and whether F_, Dv divide by 16."""
+    return repr(_configs(F_, Dv)), F_ % 16 == 0, Dv % 16 == 0, F_ == 1, Dv == 1
+
+
+COVERED = {_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV} if HAS_TRITON else set()  # what the build check compiles
+_said = set()
+
+
+def triton_covered(F_, Dv):
+    """True when the launches for features F_ and values Dv compile to code the build check has checked:
+    same tiles, warps, stages and divisibility-by-16 of F and Dv as one of its shapes."""
+    return _code_key(F_, Dv) in COVERED
 
 
 def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
@@ -217,11 +485,17 @@ def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
     if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
         raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "
                          f"got {tuple(qf.shape)}, {tuple(kf.shape)}, {tuple(v.shape)}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    F_, Dv = qf.shape[-1], v.shape[-1]
     triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu"))
     if backend == "auto":
         backend = "triton" if triton_ok else "torch"
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend == "triton" and qf.is_cuda and not triton_covered(F_, Dv):
+            backend = "torch"
+            if (F_, Dv) not in _said:
+                _said.add((F_, Dv))
+                print(f"kernel.py: F = {F_}, Dv = {Dv} is outside the Triton build check; using the PyTorch fallback")
     if backend == "triton" and not triton_ok:
         why = "triton is not installed" if not HAS_TRITON else \
             f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
@@ -230,13 +504,43 @@ def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
         return _TritonLinearAttention.apply(qf, kf, v, eps)
     # chunk C balances the per-token work within a chunk, C (F + Dv), against the state's, 2 F Dv:
     # C = 2 F Dv / (F + Dv) as a power of 2 in [16, 128] (64 at F = Dv = 64, the fastest there by measurement)
-    F_, Dv = qf.shape[-1], v.shape[-1]
     chunk = min(128, max(16, 2 ** round(math.log2(2 * F_ * Dv / (F_ + Dv)))))
     return _ChunkedLinearAttention.apply(qf, kf, v, eps, chunk)
 
 
 # ----------------------------------------------------------------------------------------------
 # python kernel.py: check, then benchmark (Hedgehog Fig. 6: one layer, 12 heads, head dim 64)
+
+
+def reference(qf, kf, v, eps=1e-6):
+    """The definition, O(T^2): A = tril(qf kf^T), y = A v / (A 1 + eps). The oracle (in float64) and a benchmark entry."""
+    A = (qf @ kf.transpose(-1, -2)).tril()  # (B, H, T, T)
+    return (A @ v) / (A.sum(-1, keepdim=True) + eps)
+
+
+def check(dev, shapes, T=300):
+    """Every backend against the float64 reference, forward and gradients, at each (F, Dv) of shapes.
+    Prints the worst relative error per backend; returns it. On CUDA an fp32 tl.dot is TF32 (~1e-3)."""
+    g = torch.Generator().manual_seed(0)
+    backends = ["torch"] + (["triton"] if HAS_TRITON and (dev == "cuda" or INTERPRET) else [])
+    worst = {b: 0.0 for b in backends}
+    for F_, Dv in shapes:
+        qf, kf = (torch.rand(1, 2, T, F_, generator=g, dtype=torch.float64) for _ in range(2))
+        v, dy = (torch.randn(1, 2, T, Dv, generator=g, dtype=torch.float64) for _ in range(2))
+        ref_in = [x.requires_grad_() for x in (qf, kf, v)]
+        ref = reference(*ref_in)
+        refs = [ref.detach(), *torch.autograd.grad(ref, ref_in, dy)]
+        for b in backends:
+            ins = [x.detach().to(dev).float().requires_grad_() for x in (qf, kf, v)]
+            y = causal_linear_attention(*ins, backend=b)
+            got = [y, *torch.autograd.grad(y, ins, dy.to(dev).float())]
+            err = max(((x.double().cpu() - r).norm() / r.norm()).item() for x, r in zip(got, refs))
+            worst[b] = max(worst[b], err)
+    for b, err in worst.items():
+        print(f"check {b}: max relative error of y, dqf, dkf, dv against float64 over {len(shapes)} shapes = {err:.2e}")
+    if "triton" not in backends:
+        print("triton: not run (needs a CUDA GPU; TRITON_INTERPRET=1 only checks correctness, slowly)")
+    return worst
 
 
 def _time(fn, repeats):
@@ -255,44 +559,37 @@ def _time(fn, repeats):
     return min(times[1:])
 
 
-def benchmark(heads, dim, lengths, threads, repeats, quadratic_max, out):
-    from attention import linear_attention_quadratic
+def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, out):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
         torch.set_num_threads(threads)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(0)
+    check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV] if dev == "cuda" else [(features, dim)])
 
-    # correctness first: every backend against the float64 quadratic form, forward and gradients
-    qf, kf = (torch.rand(1, 2, 300, dim, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(1, 2, 300, dim, generator=g, dtype=torch.float64)
-    ref = linear_attention_quadratic(qf, kf, v)
-    backends = ["torch"] + (["triton"] if HAS_TRITON and (dev == "cuda" or INTERPRET) else [])
-    for b in backends:
-        ins = [x.to(dev).float().requires_grad_() for x in (qf, kf, v)]
-        y = causal_linear_attention(*ins, backend=b)
-        y.sum().backward()
-        print(f"check {b}: max |y - y_ref| = {(y.double().cpu() - ref).abs().max().item():.2e}")
-    if "triton" not in backends:
-        print("triton: not run (needs a CUDA GPU; TRITON_INTERPRET=1 only checks correctness, slowly)")
+    def sdpa(q, k, v):
+        if dev != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    methods = {"softmax (sdpa)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-               "linear, quadratic form": lambda q, k, v: linear_attention_quadratic(q, k, v),
+    methods = {"softmax (sdpa)": sdpa, "linear, quadratic form": reference,
                "linear, torch chunked": lambda q, k, v: causal_linear_attention(q, k, v, backend="torch")}
     if dev == "cuda" and HAS_TRITON:
         methods["linear, triton"] = lambda q, k, v: causal_linear_attention(q, k, v, backend="triton")
     rows = []
-    print(f"\ndevice {dev}{'' if dev == 'cuda' else f' ({threads} thread)'}, batch 1, {heads} heads, "
-          f"head dim {dim}, F = Dv = {dim} (the inputs stand for features), {dtype}")
+    print(f"\ndevice {torch.cuda.get_device_name() if dev == 'cuda' else f'cpu ({threads} thread)'}, batch 1, {heads} heads, "
+          f"head dim {dim}; linear: F = {features} features, Dv = {dim} (the inputs stand for features), {dtype}")
     print(f"{'method':<24} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9}")
     for T in lengths:
         # exp-like positive features so that the normalisation is well conditioned
         q, k = (torch.rand(1, heads, T, dim, device=dev, dtype=dtype) for _ in range(2))
+        qf, kf = (torch.rand(1, heads, T, features, device=dev, dtype=dtype) for _ in range(2))
         v = torch.randn(1, heads, T, dim, device=dev, dtype=dtype)
         for name, fn in methods.items():
             if name.startswith("linear, quadratic") and T > quadratic_max:
                 continue  # T x T weights per head: out of memory beyond this
-            ins = [x.detach().requires_grad_() for x in (q, k, v)]
+            ins = [x.detach().requires_grad_() for x in ((q, k, v) if name.startswith("softmax") else (qf, kf, v))]
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
@@ -300,9 +597,9 @@ def benchmark(heads, dim, lengths, threads, repeats, quadratic_max, out):
             both = _time(lambda: fn(*ins).sum().backward(), repeats)
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if dev == "cuda" else None
             rows.append({"method": name, "T": T, "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "peak_mib": peak})
-            print(f"{name:<24} {T:>6} {fwd * 1e3:>9.1f} {both * 1e3:>11.1f} {'n/a' if peak is None else f'{peak:.0f}':>9}", flush=True)
-    result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "threads": threads,
-              "heads": heads, "dim": dim, "dtype": str(dtype), "torch": torch.__version__, "rows": rows}
+            print(f"{name:<24} {T:>6} {fwd * 1e3:>9.2f} {both * 1e3:>11.2f} {'n/a' if peak is None else f'{peak:.0f}':>9}", flush=True)
+    result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "threads": threads, "heads": heads,
+              "dim": dim, "features": features, "dtype": str(dtype), "torch": torch.__version__, "rows": rows}
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
@@ -334,12 +631,23 @@ if __name__ == "__main__":
     gpu = torch.cuda.is_available()
     cfg = configure({
         "heads": 12 if gpu else 4,  # the paper's 12 heads on a GPU; B*H = 4 keeps the CPU run under 2 minutes
-        "dim": 64,
-        "lengths": "256,1024,4096,16384,32768" if gpu else "1024,4096,16384",
+        "dim": 64,  # head dim: softmax's q, k, v and linear attention's v
+        "features": 128 if gpu else 64,  # F of linear attention's qf, kf: Hedgehog's is 2 x head dim
+        "lengths": "1024,2048,4096,8192,16384,32768" if gpu else "1024,4096,16384",
         "threads": 1,  # CPU threads (one, as the targets in the README are stated)
         "repeats": 5,
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
+        "build_check": False,  # instead: compile every Triton launch for sm_80 and sm_90, print the table, save results/build_check.json
     })
-    benchmark(cfg["heads"], cfg["dim"], [int(t) for t in cfg["lengths"].split(",")], cfg["threads"],
+    if cfg["build_check"]:
+        if not HAS_TRITON or INTERPRET:
+            raise SystemExit("error: the build check needs triton (Linux only) and TRITON_INTERPRET unset")
+        rows = build_check()
+        out = cfg["out"].replace("kernel.json", "build_check.json")
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"saved {out}")
+        raise SystemExit(0 if all(r["ok"] for r in rows) else 1)
+    benchmark(cfg["heads"], cfg["dim"], cfg["features"], [int(t) for t in cfg["lengths"].split(",")], cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

@@ -132,6 +132,40 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
         assert err < tol, err
 
 
+def _has_nvidia_backend():
+    try:
+        import triton
+        from triton.backends import backends
+        return "nvidia" in backends and os.path.exists(triton.knobs.nvidia.cuobjdump.path)
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="triton with its NVIDIA backend (ptxas, cuobjdump) is not installed")
+def test_triton_build_check_fits_a100_and_h100(tmp_path):
+    """Every launch the Triton path makes, compiled ahead of time for sm_80 and sm_90 (no GPU needed):
+    within the shared memory per block, no register spills. A launch over the limit fails on the GPU
+    with an out-of-resources error; spills make it slow. About a minute on 2 CPU cores (fewer when cached)."""
+    import json
+    out = run_script("kernel.py", "--build_check=true", f"--out={tmp_path / 'kernel.json'}")  # compiles without the interpreter
+    assert "launches fit in shared memory and do not spill" in out
+    rows = json.load(open(tmp_path / "build_check.json"))
+    assert {(r["F"], r["Dv"]) for r in rows} == {(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV}
+    assert {r["kernel"] for r in rows} == {"states", "output", "dqk", "dv"} and {r["arch"] for r in rows} == {80, 90}
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad[:5]
+    assert all(r["shared"] > 0 and 0 < r["regs"] <= 255 for r in rows)  # the numbers were really read
+
+
+def test_auto_backend_covers_the_build_checked_sizes():
+    """auto sends to Triton (on CUDA) only sizes that compile to build-checked code."""
+    if not kernel.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    assert all(kernel.triton_covered(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV)
+    assert kernel.triton_covered(4161, 64)  # same tiles and divisibility as 2145
+    assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)  # an int of 1 is compiled in; Dv 130: untested tiles
+
+
 def test_kernel_rejects_bad_input():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="shape"):
@@ -480,7 +514,12 @@ def test_scripts_reject_unknown_settings():
 def test_kernel_benchmark_smoke(tmp_path):
     out = run_script("kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--repeats=1",
                      f"--out={tmp_path / 'kernel.json'}")
-    assert "check torch: max |y - y_ref|" in out and (tmp_path / "kernel.json").exists()
+    import json
+    err = float(out.split("check torch: max relative error")[1].split("= ")[1].split()[0])
+    assert err < 1e-5, out  # the fallback against the float64 reference, in float32
+    rows = json.load(open(tmp_path / "kernel.json"))["rows"]
+    assert {(r["method"], r["T"]) for r in rows} >= {("linear, torch chunked", 128), ("softmax (sdpa)", 200)}
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] >= r["fwd_ms"] * 0.5 for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------
