@@ -18,6 +18,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     softmax_attention(q, k, v, causal=True)
     linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto")
     attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
+    entropy(weights) -> (B, H, T) row entropies in nats
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
     MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS)
     Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
@@ -34,6 +35,12 @@ from kernel import causal_linear_attention
 
 def causal_mask(T, device=None):
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), True where j <= i
+
+
+def entropy(weights):
+    """Entropy in nats of each row of attention weights, -sum_j a_ij log a_ij: (..., T, T) -> (..., T).
+    Low entropy = spiky attention (Hedgehog Sec. 3.1); uniform over n keys is log n."""
+    return -(weights * weights.clamp_min(1e-30).log()).sum(-1)
 
 
 def softmax_attention(q, k, v, causal=True):
@@ -114,7 +121,6 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads, self.head_dim, self.causal = n_heads, d_model // n_heads, causal
         self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(4))
-        self.feature_map = feature_map
         self.fmap = None if feature_map == "softmax" else make_feature_map(feature_map, self.head_dim, n_heads, **fmap_kwargs)
 
     def heads(self, x):
@@ -134,9 +140,9 @@ class MultiHeadAttention(nn.Module):
         return self.o(y.transpose(1, 2).flatten(2))  # (B, T, C)
 
     def weights(self, x):
-        """(B, H, T, T) attention weights of this layer on input x, for diagnostics and distillation."""
+        """(B, H, T, T) attention weights of this layer on input x, exactly the ones forward() uses (same eps)."""
         q, k, _ = self.heads(x)
-        return attention_weights(q, k, self.fmap, causal=self.causal)
+        return attention_weights(q, k, self.fmap, causal=self.causal, eps=1e-6)
 
     def step(self, x_t, cache=None):
         """Decode one token: x_t (B, C) -> (y_t (B, C), cache). Softmax keeps every key and value (a KV

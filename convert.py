@@ -14,7 +14,8 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
-Reads the softmax checkpoint of train_gpt.py (out/ckpt.pt; trains one first if there is none), or
+Reads the softmax checkpoint of train_gpt.py (out/softmax/ckpt.pt; trains one first if that default is
+missing; a --ckpt that does not exist is an error), its data and tokenizer from its config, or
 with --init=gpt2 (any GPT-2 name) pretrained GPT-2 through transformers, with --data tokenised by
 GPT-2's own tokenizer (the last 10% is validation),
 prints validation perplexity after each stage and attention fidelity (KL, entropy, monotonicity,
@@ -31,12 +32,13 @@ import torch
 import torch.nn as nn
 
 import distill
-import train_gpt
+from attention import attention_weights, entropy
 from configurator import configure, pick_device, pyplot
 from feature_maps import make_feature_map
+from gpt import GPT, evaluate, get_batch, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
-ckpt = "out/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
+ckpt = "out/softmax/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT; trained first if this default is missing
 init = "ckpt"  # "ckpt", or a pretrained GPT-2 name for transformers: "gpt2", "gpt2-medium", ...
 data = "pydoc"  # with --init=gpt2*: "pydoc", "wikitext103" (downloads) or a .txt file
 methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
@@ -73,8 +75,9 @@ class LoRA(nn.Module):
     def __init__(self, base, r=8, alpha=16):
         super().__init__()
         self.base, self.scale = base, alpha / r
-        self.A = nn.Parameter(torch.randn(r, base.in_features) / math.sqrt(base.in_features))  # (r, in)
-        self.B = nn.Parameter(torch.zeros(base.out_features, r))  # (out, r)
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)  # the base layer's, on any device
+        self.A = nn.Parameter(torch.randn(r, base.in_features, **like) / math.sqrt(base.in_features))  # (r, in)
+        self.B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # (out, r)
 
     def forward(self, x):
         return self.base(x) + self.scale * (x @ self.A.T) @ self.B.T
@@ -90,7 +93,6 @@ def swap(model, fmap_name, layer_ids):
     """Put a fresh feature map behind q, k, v, o of the given layers (their weights are kept)."""
     for i in layer_ids:
         attn = model.blocks[i].attn
-        attn.feature_map = fmap_name
         attn.fmap = make_feature_map(fmap_name, attn.head_dim, attn.n_heads).to(attn.q.weight.device)
 
 
@@ -113,20 +115,26 @@ def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg["distill_lr"], weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    val = distill.layer_qkv(teacher, train_gpt.get_batch(val_ids, model.block_size, cfg["batch_size"], torch.Generator().manual_seed(1), dev)[0], layer_ids)
-    total = lambda qkv: sum(distill.distill_loss(model.blocks[i].attn.fmap, q, k, v, loss) for i, (q, k, v) in qkv.items())
+
+    def teacher_qkv(ids, generator):  # {layer: (q, k, v)} of the teacher on one batch
+        x, _ = get_batch(ids, model.block_size, cfg["batch_size"], generator, dev)
+        return distill.layer_qkv(teacher, x, layer_ids)
+
+    def total_loss(qkv):  # summed over the converted layers
+        return sum(distill.distill_loss(model.blocks[i].attn.fmap, q, k, v, loss) for i, (q, k, v) in qkv.items())
+
+    val = teacher_qkv(val_ids, torch.Generator().manual_seed(1))
     best, best_state = float("inf"), None
     for it in range(cfg["distill_iters"] + 1):
         if it % 20 == 0 or it == cfg["distill_iters"]:
             with torch.no_grad():
-                v_loss = total(val).item()
+                v_loss = total_loss(val).item()
             print(f"  distill step {it}: val {loss} loss {v_loss:.4f}")
             if v_loss < best:
                 best, best_state = v_loss, [p.detach().clone() for p in params]
         if it == cfg["distill_iters"]:
             break
-        qkv = distill.layer_qkv(teacher, train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev)[0], layer_ids)
-        value = total(qkv)
+        value = total_loss(teacher_qkv(train_ids, gen))
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
@@ -151,7 +159,7 @@ def finetune_model(model, train_ids, cfg, dev):
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     model.train()
     for it in range(cfg["finetune_iters"]):
-        _, loss = model(*train_gpt.get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev))
+        _, loss = model(*get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -166,26 +174,31 @@ def fidelity(model, teacher, idx, layer_ids):
 
 
 def load_teacher(cfg, dev):
+    """The softmax teacher and its train / validation ids: a train_gpt.py checkpoint, or pretrained GPT-2."""
     if cfg["init"] != "ckpt":
         import pretrained
         try:
             model, tok = pretrained.load_gpt2(cfg["init"])
         except RuntimeError as e:
             raise SystemExit(f"error: {e}") from None
-        ids = torch.tensor(tok(train_gpt.load_text(cfg["data"]), verbose=False)["input_ids"])
+        ids = torch.tensor(tok(load_text(cfg["data"]), verbose=False)["input_ids"])
         n = int(0.9 * len(ids))
         return model.to(dev), ids[:n], ids[n:]
     if not os.path.exists(cfg["ckpt"]):
+        if cfg["ckpt"] != ckpt:  # given explicitly (the module-level default is never overridden)
+            raise SystemExit(f"error: no checkpoint at {cfg['ckpt']}")
         print(f"no checkpoint at {cfg['ckpt']}: training the softmax teacher first (python train_gpt.py)")
-        train_gpt.main(dict(train_gpt.config, out_dir=os.path.dirname(cfg["ckpt"]) or "."))
+        import train_gpt
+        train_gpt.main(dict(train_gpt.config, out_dir=os.path.dirname(cfg["ckpt"])))
     ck = torch.load(cfg["ckpt"], map_location=dev, weights_only=False)
     if not isinstance(ck, dict) or ck.get("kind") != "train_gpt" or ck["model_args"]["attention"] != "softmax":
         raise SystemExit(f"error: {cfg['ckpt']} is not a train_gpt.py checkpoint of a softmax GPT")
-    model = train_gpt.GPT(**ck["model_args"]).to(dev)
+    model = GPT(**ck["model_args"]).to(dev)
     model.load_state_dict(ck["model"])
-    train_ids, val_ids, vocab, _ = train_gpt.prepare(ck["config"]["data"])
+    tokenizer = ck["config"].get("tokenizer", "cl100k_base")
+    train_ids, val_ids, vocab, _ = prepare(ck["config"]["data"], tokenizer)
     if not torch.equal(vocab, ck["vocab"]):
-        raise SystemExit("error: the corpus no longer gives the checkpoint's vocabulary")
+        raise SystemExit(f"error: {ck['config']['data']!r} tokenised with {tokenizer} no longer gives the checkpoint's vocabulary")
     return model, train_ids, val_ids
 
 
@@ -201,17 +214,20 @@ def main(cfg):
     unknown = [m for m in names if m != "softmax" and m not in METHODS]
     if unknown:
         raise SystemExit(f"error: unknown method {unknown}; valid: softmax, {', '.join(METHODS)}")
-    ev = lambda m: math.exp(train_gpt.evaluate(m, val_ids, dict(cfg, block_size=teacher.block_size), dev))
-    calib = train_gpt.get_batch(train_ids, teacher.block_size, 32, torch.Generator().manual_seed(2), dev)[0]
-    probe = train_gpt.get_batch(val_ids, teacher.block_size, 4, torch.Generator().manual_seed(3), dev)[0]
-    teacher_ppl = ev(teacher)
+
+    def ppl(m):
+        return math.exp(evaluate(m, val_ids, cfg["batch_size"], cfg["eval_iters"], dev))
+
+    calib, _ = get_batch(train_ids, teacher.block_size, 32, torch.Generator().manual_seed(2), dev)
+    probe, _ = get_batch(val_ids, teacher.block_size, 4, torch.Generator().manual_seed(3), dev)
+    teacher_ppl = ppl(teacher)
     records, converted = [], {}
     for name in names:
         t0 = time.time()
         if name == "softmax":
             records.append({"method": name, "val_ppl": teacher_ppl, "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
                             "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "seconds": 0.0,
-                            "entropy": fidelity_softmax_entropy(teacher, probe, layer_ids)})
+                            "entropy": softmax_entropy(teacher, probe, layer_ids)})
             print(f"softmax teacher: val ppl {teacher_ppl:.2f}")
             continue
         fmap_name, loss = METHODS[name]
@@ -221,17 +237,17 @@ def main(cfg):
         print(f"{name}: {fmap_name} in layers {layer_ids}")
         if fmap_name == "oal":
             print(f"  oal groups per head, by layer: {set_oal_groups(model, teacher, calib, layer_ids)}")
-        ppl_swap = ev(model)
+        ppl_swap = ppl(model)
         if loss is not None:
             distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
-        ppl_distill = ev(model)
+        ppl_distill = ppl(model)
         fid = fidelity(model, teacher, probe, layer_ids)
         trained = finetune_model(model, train_ids, cfg, dev)
-        ppl = ev(model)
+        final = ppl(model)
         record = {"method": name, "feature_map": fmap_name, "distill_loss": loss, "val_ppl_swap": ppl_swap,
-                  "val_ppl_distill": ppl_distill, "val_ppl": ppl, "trainable_params": trained,
+                  "val_ppl_distill": ppl_distill, "val_ppl": final, "trainable_params": trained,
                   "seconds": time.time() - t0, **fid}
-        print(f"{name}: val ppl swap {ppl_swap:.2f} -> distil {ppl_distill:.2f} -> finetune {ppl:.2f}; "
+        print(f"{name}: val ppl swap {ppl_swap:.2f} -> distil {ppl_distill:.2f} -> finetune {final:.2f}; "
               f"KL {fid['kl']:.3f}, entropy {fid['entropy']:.2f}, monotonicity {fid['monotonicity']:.2f}, "
               f"RelMSE {fid['rel_mse']:.3f}, {record['seconds']:.0f}s", flush=True)
         records.append(record)
@@ -243,13 +259,10 @@ def main(cfg):
 
 
 @torch.no_grad()
-def fidelity_softmax_entropy(model, idx, layer_ids):
-    from attention import attention_weights
-    ents = []
-    for q, k, _ in distill.layer_qkv(model, idx, layer_ids).values():
-        a = attention_weights(q, k)
-        ents.append(-(a * a.clamp_min(1e-30).log()).sum(-1).mean().item())
-    return sum(ents) / len(ents)
+def softmax_entropy(model, idx, layer_ids):
+    """Mean row entropy of the softmax weights over the given layers."""
+    rows = [entropy(attention_weights(q, k)).mean().item() for q, k, _ in distill.layer_qkv(model, idx, layer_ids).values()]
+    return sum(rows) / len(rows)
 
 
 def report(records, teacher_ppl, cfg):
@@ -277,7 +290,6 @@ def plot(teacher, converted, idx, layer, out_dir):
     plt = pyplot()
     if plt is None:
         return
-    from attention import attention_weights
     q, k, _ = distill.layer_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's
     weights = {"softmax": attention_weights(q, k)}
     weights.update({n: attention_weights(q, k, m.blocks[layer].attn.fmap) for n, m in converted.items()})

@@ -25,7 +25,7 @@ Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps mod
 """
 import torch
 
-from attention import _fp32, attention_weights, linear_attention_quadratic, softmax_attention
+from attention import _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
 
 
 @torch.no_grad()
@@ -34,8 +34,13 @@ def layer_qkv(model, ids, layer_ids):
     caught with forward pre-hooks. Run on the softmax teacher, each layer gets the inputs it has in the
     original model, so a map distilled there is fitted to what it will see."""
     out = {}
-    hooks = [model.blocks[i].attn.register_forward_pre_hook(lambda m, args, i=i: out.__setitem__(i, m.heads(args[0])))
-             for i in layer_ids]
+
+    def catch(i):
+        def hook(attn, args):  # args[0]: the (B, T, C) input of block i's attention
+            out[i] = attn.heads(args[0])
+        return hook
+
+    hooks = [model.blocks[i].attn.register_forward_pre_hook(catch(i)) for i in layer_ids]
     try:
         model(ids)
     finally:
@@ -64,7 +69,7 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
     return total
 
 
-def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True, log_every=0):
+def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True):
     """Train fmap's parameters (only those) on frozen q, k, v with AdamW (Hedgehog: lr 1e-2, no weight
     decay). Returns the loss at every step. The O(T^2) forms are used: this is for the short
     calibration sequences of one layer; a model-wide run distils every layer with one optimiser."""
@@ -75,14 +80,12 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
     v = None if v is None else v.detach()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     history = []
-    for step in range(steps):
+    for _ in range(steps):
         value = distill_loss(fmap, q, k, v, loss, causal)
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
         history.append(value.item())
-        if log_every and step % log_every == 0:
-            print(f"distill step {step}: {loss} loss {value.item():.4f}")
     return history
 
 
@@ -107,11 +110,11 @@ def fidelity(q, k, v, fmap, causal=True, monotonicity=True):
     a = attention_weights(q, k, causal=causal)  # (B, H, T, T) teacher
     ahat = attention_weights(q, k, fmap, causal=causal)
     kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean()
-    entropy = lambda w: -(w * w.clamp_min(1e-30).log()).sum(-1).mean().item()
     o = softmax_attention(q, k, _fp32(v), causal=causal)  # (B, H, T, Dv)
     ohat = linear_attention_quadratic(*fmap(q, k), _fp32(v), causal=causal)
     rel_mse = ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean()
-    out = {"kl": kl.item(), "rel_mse": rel_mse.item(), "entropy": entropy(ahat), "entropy_softmax": entropy(a)}
+    out = {"kl": kl.item(), "rel_mse": rel_mse.item(), "entropy": entropy(ahat).mean().item(),
+           "entropy_softmax": entropy(a).mean().item()}
     if monotonicity:
         out["monotonicity"] = spearman_rows(_fp32(q) @ _fp32(k).transpose(-1, -2), ahat, causal)
     return out

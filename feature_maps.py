@@ -44,17 +44,16 @@ def pair_products(x):
     return torch.cat([x[..., l:l + 1] * x[..., :l + 1] for l in range(x.shape[-1])], dim=-1)
 
 
-def quadratic_features(x, packed=True):
-    """vec(x x^T) / sqrt(2): (..., D) -> (..., D(D+1)/2) packed, or (..., D*D) full.
+def quadratic_features(x):
+    """vec(x x^T) / sqrt(2) in packed form: (..., D) -> (..., D(D+1)/2), the pairs l >= m.
 
-    The dot product of two such vectors is (x.y)^2 / 2 in both layouts: the packed one keeps the
-    pairs l >= m and scales the off-diagonal ones by sqrt(2), since they appear twice in the full one.
+    The full vec(x x^T) / sqrt(2) has D^2 entries and each off-diagonal pair twice; keeping l >= m and
+    scaling the off-diagonal ones by sqrt(2) gives the same dot product, (x.y)^2 / 2, with half the features.
     """
     D = x.shape[-1]
-    if not packed:
-        return (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
     l, m = torch.tril_indices(D, D, device=x.device)
-    scale = torch.where(l == m, 1.0, math.sqrt(2)).to(x.dtype) / math.sqrt(2)
+    scale = torch.full(l.shape, 1.0, dtype=x.dtype, device=x.device)  # in x's dtype: a float32 sqrt(2) would cost float64 precision
+    scale[l == m] = 1 / math.sqrt(2)
     return pair_products(x) * scale
 
 
@@ -121,17 +120,15 @@ class Performer(FeatureMap):
 
     m defaults to round(D ln D) (266 at D = 64), the Performer paper's choice.
     W has m rows: orthogonal Gaussian blocks of D rows (QR of a Gaussian matrix), each row rescaled
-    to a chi(D)-distributed norm so that it is marginally N(0, I). One W per head, a buffer.
-    redraw=True draws a new W at every training forward. stabilize=True subtracts each token's max
-    exponent on both sides, as the Performer code does: finite for any input, but the key-side shift
-    changes the estimator (it is no longer unbiased), so it is off by default. F = m.
+    to a chi(D)-distributed norm so that it is marginally N(0, I). One W per head, a buffer, drawn once.
+    No max is subtracted (the Performer code's stabilisation shifts the key side too, which biases the
+    estimator). F = m.
     """
 
-    def __init__(self, head_dim, num_heads=1, num_features=None, redraw=False, stabilize=False):
+    def __init__(self, head_dim, num_heads=1, num_features=None):
         super().__init__()
         self.D, self.H = head_dim, num_heads
         self.m = num_features or round(head_dim * math.log(head_dim))
-        self.redraw, self.stabilize = redraw, stabilize
         self.register_buffer("W", self.draw())
 
     def draw(self, generator=None):
@@ -148,16 +145,9 @@ class Performer(FeatureMap):
             W[h] = rows * norms
         return W
 
-    def forward(self, q, k, offset=0):
-        if self.training and self.redraw:
-            self.W.copy_(self.draw())  # once per call: q and k must share W
-        return self.phi(_fp32(q)), self.phi(_fp32(k))
-
     def phi(self, x):
         x = x / self.D ** 0.25
         y = torch.einsum("bhtd,hmd->bhtm", x, self.W.to(x.dtype)) - (x * x).sum(-1, keepdim=True) / 2
-        if self.stabilize:
-            y = y - y.amax(dim=-1, keepdim=True).detach()
         return torch.exp(y) / math.sqrt(self.m)
 
 
@@ -180,14 +170,11 @@ class CosFormer(FeatureMap):
         M = self.max_len or T
         if offset + T > M:
             raise ValueError(f"cosformer: position {offset + T - 1} is past max_len={M}")
-        angle = math.pi / (2 * M) * torch.arange(offset, offset + T, device=q.device, dtype=torch.float64)
-        cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (T, 1)
-
-        def phi(x):
-            x = F.relu(_fp32(x))
-            return torch.cat([x * cos.to(x.dtype), x * sin.to(x.dtype)], dim=-1)
-
-        return phi(q), phi(k)
+        q, k = F.relu(_fp32(q)), F.relu(_fp32(k))
+        i = torch.arange(offset, offset + T, device=q.device, dtype=q.dtype)  # float32 (or float64): MPS has no float64
+        angle = (math.pi / (2 * M) * i)[:, None]  # (T, 1)
+        return (torch.cat([q * angle.cos(), q * angle.sin()], dim=-1),
+                torch.cat([k * angle.cos(), k * angle.sin()], dim=-1))
 
 
 class Taylor(FeatureMap):
@@ -195,17 +182,17 @@ class Taylor(FeatureMap):
 
         phi(x) = [1, x / D^(1/4), vec(x x^T) / (sqrt(2) sqrt(D))],   phi(q) . phi(k) = 1 + s + s^2 / 2 exactly.
 
-    F = 1 + D + D(D+1)/2 packed (2145 at D = 64), or 1 + D + D^2 with packed=False (4161).
+    F = 1 + D + D(D+1)/2 (2145 at D = 64; the unpacked vec(x x^T) would give 4161).
     Always positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2.
     """
 
-    def __init__(self, head_dim, packed=True):
+    def __init__(self, head_dim):
         super().__init__()
-        self.D, self.packed = head_dim, packed
+        self.D = head_dim
 
     def phi(self, x):
         x = x / self.D ** 0.25
-        return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x, self.packed)], dim=-1)
+        return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x)], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,14 +201,13 @@ class Taylor(FeatureMap):
 
 class T2R(FeatureMap):
     """T2R (Kasai et al. 2021): relu(W x + b), one trainable linear layer per head, nn.Linear's
-    initialisation. With the Hedgehog distillation loss it becomes the paper's "T2R-HH". F = feature_dim."""
+    initialisation. With the Hedgehog distillation loss it becomes the paper's "T2R-HH". F = D."""
 
-    def __init__(self, head_dim, num_heads=1, feature_dim=None):
+    def __init__(self, head_dim, num_heads=1):
         super().__init__()
-        F_ = feature_dim or head_dim
         bound = 1 / math.sqrt(head_dim)
-        self.W = nn.Parameter(torch.empty(num_heads, head_dim, F_).uniform_(-bound, bound))
-        self.b = nn.Parameter(torch.empty(num_heads, 1, F_).uniform_(-bound, bound))
+        self.W = nn.Parameter(torch.empty(num_heads, head_dim, head_dim).uniform_(-bound, bound))
+        self.b = nn.Parameter(torch.empty(num_heads, 1, head_dim).uniform_(-bound, bound))
 
     def phi(self, x):  # (B, H, T, D) @ (H, D, F) -> (B, H, T, F)
         return F.relu(x @ self.W.to(x.dtype) + self.b.to(x.dtype))
@@ -240,10 +226,10 @@ class Hedgehog(FeatureMap):
     (halves: each half sums to 1; all: the whole vector sums to 1), and both stay finite in bf16/fp16
     for any input because a softmax subtracts its max. The default is the single softmax. The exp
     mode is stabilised like `exp` (exact query-side max, key-side clamp at e^60).
-    The paper shares one map between queries and keys of a head; separate_qk=True learns two.
+    As in the paper, queries and keys of a head share one map.
     """
 
-    def __init__(self, head_dim, num_heads=1, mode="softmax", separate_qk=False):
+    def __init__(self, head_dim, num_heads=1, mode="softmax"):
         super().__init__()
         if mode not in ("softmax", "softmax_halves", "exp"):
             raise ValueError(f"hedgehog: mode must be 'softmax', 'softmax_halves' or 'exp', got {mode!r}")
@@ -251,14 +237,11 @@ class Hedgehog(FeatureMap):
         eye = torch.eye(head_dim).expand(num_heads, head_dim, head_dim)
         self.W = nn.Parameter(eye.clone())  # (H, D, D), y = x @ W + b
         self.b = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
-        self.Wk = nn.Parameter(eye.clone()) if separate_qk else None
-        self.bk = nn.Parameter(torch.zeros(num_heads, 1, head_dim)) if separate_qk else None
 
     def forward(self, q, k, offset=0):
         q, k = _fp32(q), _fp32(k)
-        Wk, bk = (self.W, self.b) if self.Wk is None else (self.Wk, self.bk)
-        yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)
-        yk = k @ Wk.to(k.dtype) + bk.to(k.dtype)
+        yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)  # (B, H, T, D)
+        yk = k @ self.W.to(k.dtype) + self.b.to(k.dtype)
         yq, yk = torch.cat([yq, -yq], dim=-1), torch.cat([yk, -yk], dim=-1)  # (B, H, T, 2D)
         if self.mode == "exp":
             return stable_exp_qk(yq, yk)
@@ -346,11 +329,11 @@ class OAL(FeatureMap):
         groups = torch.as_tensor(groups, dtype=torch.long, device=self.groups.device)
         if groups.shape != self.groups.shape or groups.min() < 0 or groups.max() >= self.G:
             raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), got shape {tuple(groups.shape)}")
-        one_group = (self.groups == 0).all(-1)  # (H,)
-        L = self.L.data
-        L[one_group, 2:, :] = 0
-        L[one_group, 2:, 0] = L[one_group, 1, 0][:, None]  # row g+1 = row 1: [1, z_1..z_G] L keeps
-        L[one_group, 2:, 1] = L[one_group, 1, 1][:, None]  # columns L_00 + L_10 s and L_11 s
+        for h in range(self.groups.shape[0]):
+            if (self.groups[h] == 0).all():  # still one group: every group row becomes a copy of row 1,
+                self.L[h, 2:] = 0            # so [1, z_1..z_G] L keeps its columns L_00 + L_10 s and L_11 s
+                self.L[h, 2:, 0] = self.L[h, 1, 0]
+                self.L[h, 2:, 1] = self.L[h, 1, 1]
         self.groups.copy_(groups)
 
     def set_groups_from(self, q, k, causal=True):
@@ -368,18 +351,19 @@ class OAL(FeatureMap):
 
     def forward(self, q, k, offset=0):
         q, k = _fp32(q), _fp32(k)
-        D, s0 = self.D, 1 / math.sqrt(self.D)
-        a, b, C = (c.to(q.dtype) for c in self.coefficients())
-        l, m = torch.tril_indices(D, D, device=q.device)  # pairs l >= m, P = D(D+1)/2
-        g = self.groups  # (H, D)
-        b_l = torch.gather(b, 1, g)  # (H, D): b_g(l)
-        C_lm = C[torch.arange(C.shape[0], device=q.device)[:, None], g[:, l], g[:, m]]  # (H, P)
-        mu = torch.where(l == m, 1.0, 2.0).to(q.dtype)
-        one = torch.ones_like(k[..., :1])
-        kf = torch.cat([one, k, pair_products(k)], dim=-1)
-        qf = torch.cat([a[:, None, None] * torch.ones_like(q[..., :1]),
-                        s0 * b_l[:, None, :] * q,
-                        s0 ** 2 * (mu * C_lm)[:, None, :] * pair_products(q)], dim=-1)
+        H, D = self.groups.shape
+        s0 = 1 / math.sqrt(D)
+        a, b, C = (c.to(q.dtype) for c in self.coefficients())  # (H,), (H, G), (H, G, G)
+        l, m = torch.tril_indices(D, D, device=q.device)  # the P = D(D+1)/2 pairs l >= m
+        group_l, group_m = self.groups[:, l], self.groups[:, m]  # (H, P): the groups of each pair's two dims
+        heads = torch.arange(H, device=q.device)[:, None]
+        b_dim = b[heads, self.groups]  # (H, D): b_g(l)
+        C_pair = C[heads, group_l, group_m]  # (H, P): C_g(l)g(m)
+        mu = torch.where(l == m, 1.0, 2.0).to(q.dtype)  # the pair (l, m) stands for both (l, m) and (m, l)
+        kf = torch.cat([torch.ones_like(k[..., :1]), k, pair_products(k)], dim=-1)
+        qf = torch.cat([a[:, None, None] * torch.ones_like(q[..., :1]),  # (B, H, T, 1)
+                        s0 * b_dim[:, None, :] * q,  # (B, H, T, D)
+                        s0 ** 2 * (mu * C_pair)[:, None, :] * pair_products(q)], dim=-1)  # (B, H, T, P)
         return qf, kf
 
 

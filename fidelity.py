@@ -39,7 +39,7 @@ import pretrained
 from attention import attention_weights, linear_attention_quadratic, softmax_attention
 from configurator import configure, pyplot
 from feature_maps import FEATURE_MAPS, contribution_scores, make_feature_map
-from train_gpt import load_text
+from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
 model = "minilm"  # "minilm" (offline) or a GPT-2 name for transformers ("gpt2", "gpt2-medium", ...)
@@ -68,9 +68,17 @@ def load(name):
     try:
         if name == "minilm":
             model, tok = pretrained.load_minilm()
-            return model, lambda s: tok.encode(s, add_special_tokens=False).ids, (tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
+
+            def encode(text):
+                return tok.encode(text, add_special_tokens=False).ids
+
+            return model, encode, (tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
         model, tok = pretrained.load_gpt2(name)
-        return model, lambda s: tok(s, verbose=False)["input_ids"], None
+
+        def encode(text):
+            return tok(text, verbose=False)["input_ids"]
+
+        return model, encode, None
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -115,9 +123,11 @@ def build_map(name, attn, q, k, v, cfg):
 @torch.no_grad()
 def out_rel_mse(attn, q, k, v, fmap):
     """RelMSE of the layer's output after the output projection o: ||o(Y_lin) - o(Y_soft)||^2 / ||o(Y_soft)||^2."""
-    merge = lambda y: attn.o(y.transpose(1, 2).flatten(2))  # (B, H, T, D) -> (B, T, C)
-    y = merge(softmax_attention(q, k, v, causal=attn.causal))
-    yhat = merge(linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal))
+    def project(y):  # (B, H, T, D) -> (B, T, C): merge the heads, then the output projection
+        return attn.o(y.transpose(1, 2).flatten(2))
+
+    y = project(softmax_attention(q, k, v, causal=attn.causal))
+    yhat = project(linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal))
     return ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()
 
 
@@ -144,7 +154,7 @@ def conversion(model, fmaps, names, layer_ids, sentences, test_ids):
     for name in names:
         student = copy.deepcopy(model)
         for i in layer_ids:
-            student.blocks[i].attn.feature_map, student.blocks[i].attn.fmap = name, fmaps[name][i]
+            student.blocks[i].attn.fmap = fmaps[name][i]
         got = score(student)
         if sentences:
             cos = (got * ref).sum(-1)
@@ -224,7 +234,10 @@ def main(cfg):
 
 def report(rows, names, lengths, contrib, groups, convert, cfg):
     """Print the tables; return the per-map means over layers."""
-    mean = lambda name, f: sum(f(r) for r in rows if r["map"] == name) / sum(r["map"] == name for r in rows)
+    def mean(name, value):  # mean over layers of value(row) for one map
+        vals = [value(r) for r in rows if r["map"] == name]
+        return sum(vals) / len(vals)
+
     summary = {}
     print(f"\nmean over layers, held-out windows of {cfg['seq_len']} tokens (softmax entropy "
           f"{mean(names[0], lambda r: r['entropy_softmax']):.2f} nats); KL at longer lengths on the right")
@@ -247,10 +260,16 @@ def report(rows, names, lengths, contrib, groups, convert, cfg):
                                  if sents else "perplexity on the held-out windows"))
         print(f"{'map':<12} {'all layers':>14} {'middle layers':>14}")
         for name in convert["all"]:
-            cell = lambda r: f"{r['cosine']:.3f} / {r['cosine_min']:.3f}" if "cosine_min" in r else \
-                (f"{r['cosine']:.3f}" if sents else f"{r['ppl']:.2f}")
-            print(f"{name:<12} {cell(convert['all'][name]):>14} {cell(convert['middle'][name]):>14}")
+            cells = [cell(convert[part][name], sents) for part in ("all", "middle")]
+            print(f"{name:<12} {cells[0]:>14} {cells[1]:>14}")
     return summary
+
+
+def cell(r, sentences):
+    """One conversion result as text: cosine (mean / min) for sentence embeddings, else perplexity."""
+    if "cosine_min" in r:
+        return f"{r['cosine']:.3f} / {r['cosine_min']:.3f}"
+    return f"{r['cosine']:.3f}" if sentences else f"{r['ppl']:.2f}"
 
 
 def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
@@ -277,7 +296,8 @@ def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
     fig.savefig(prefix + "_attention.png", dpi=110)
 
     # OAL Fig. 1: the head whose top dimensions carry the most
-    i, h = max(((i, h) for i in contrib for h in range(len(contrib[i]["top_share"]))), key=lambda ih: contrib[ih[0]]["top_share"][ih[1]])
+    heads = [(contrib[i]["top_share"][h], i, h) for i in contrib for h in range(len(contrib[i]["top_share"]))]
+    _, i, h = max(heads)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3))
     group = groups[i][h] if i in groups else [0] * len(contrib[i]["share"][h])
     colours = [f"C{g}" for g in group]  # bars coloured by OAL's group

@@ -100,9 +100,9 @@ def load_minilm(path=None):
 
 
 def gpt2_from_transformers(hf):
-    """Our train_gpt.GPT with the weights of a transformers GPT2LMHeadModel `hf` (any size).
+    """Our gpt.GPT with the weights of a transformers GPT2LMHeadModel `hf` (any size).
     GPT-2's Conv1D stores weights as (in, out), so they are transposed; c_attn is split into q, k, v."""
-    from train_gpt import GPT
+    from gpt import GPT
     c = hf.config
     model = GPT(c.vocab_size, c.n_positions, c.n_layer, c.n_head, c.n_embd, bias=True)
     for block in model.blocks:

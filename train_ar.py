@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import Block
+from attention import Block, entropy
 from configurator import configure, pick_device, pyplot
 from feature_maps import FEATURE_MAPS
 
@@ -101,6 +101,8 @@ class ARModel(nn.Module):
     def __init__(self, attention="softmax", vocab_size=40, seq_len=128, n_layer=2, d_model=32, n_head=4,
                  mlp_ratio=0, token_shift=True, **fmap_kwargs):
         super().__init__()
+        if attention == "cosformer":
+            fmap_kwargs.setdefault("max_len", seq_len)  # a fixed M, as in the GPT (any length up to seq_len works)
         self.token_shift = token_shift
         self.tok = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size + 1, d_model) if token_shift else None  # index vocab_size: no previous token
@@ -127,10 +129,10 @@ class ARModel(nn.Module):
         return (logits, weights) if return_weights else logits
 
 
-def entropy(weights, labels):
-    """Mean entropy in nats, -sum_j a_ij log a_ij, of the attention rows at the labelled (query) positions,
-    over batch and heads. Only those rows do the recall; the others are free to be anything."""
-    rows = -(weights * weights.clamp_min(1e-30).log()).sum(-1)  # (B, H, T)
+def query_entropy(weights, labels):
+    """Mean entropy in nats of the attention rows at the labelled (query) positions, over batch and heads.
+    Only those rows do the recall; the others are free to be anything."""
+    rows = entropy(weights)  # (B, H, T)
     mask = (labels != -100)[:, None, :].expand_as(rows)
     return rows[mask].mean().item()
 
@@ -183,7 +185,7 @@ def train_one(attention, seed, data, cfg, dev):
     with torch.no_grad():
         model.eval()
         _, weights = model(x_test[:100], return_weights=True)
-    ent = [entropy(w, y_test[:100]) for w in weights]
+    ent = [query_entropy(w, y_test[:100]) for w in weights]
     record = {"attention": attention, "seed": seed, "test_acc": acc, "entropy": sum(ent) / len(ent),
               "entropy_per_layer": ent, "params": sum(p.numel() for p in model.parameters()),
               "epochs": epoch, "test_acc_per_epoch": curve, "seconds": seconds}
@@ -239,7 +241,7 @@ def plot(records, models, x, out_dir):
             _, weights = model(x[:1], return_weights=True)
         w = torch.stack([wl[0] for wl in weights])  # (L, H, T, T)
         last = w[:, :, -1]  # the query row of each layer and head
-        layer, head = divmod((-(last * last.clamp_min(1e-30).log()).sum(-1)).argmin().item(), w.shape[1])
+        layer, head = divmod(entropy(last).argmin().item(), w.shape[1])
         ax.imshow(w[layer, head].cpu() ** 0.5, cmap="viridis")  # sqrt to show small weights
         ax.set_title(f"{name} (layer {layer}, head {head})", fontsize=9)
         ax.axis("off")

