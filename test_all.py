@@ -884,3 +884,18 @@ def test_ddp_two_cpu_processes_stay_in_sync(tmp_path):
                      "--d_model=16", "--block_size=16", "--sample_tokens=2", "--attention=hedgehog",
                      f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
     assert "processes: 2" in out and "ranks in sync: True" in out
+
+
+def test_decode_benchmark_smoke(tmp_path):
+    """Guards the generation benchmark's bookkeeping against independent sizes: softmax's KV cache is
+    2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1)."""
+    import json
+    run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
+               f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)
+    result = json.load(open(tmp_path / "decode.json"))
+    layer = {(r["attention"], r["context"]): r for r in result["records"] if r["part"] == "layer"}
+    for T in (64, 256):
+        assert layer["softmax", T]["state_bytes"] == 2 * 2 * T * 8 * 4
+        assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
+    assert all(r["ms_per_token"] > 0 for r in result["records"])
+    assert {r["part"] for r in result["records"]} == {"layer", "gpt"}
