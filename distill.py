@@ -20,12 +20,13 @@ Fidelity (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and a
 
 Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps module with H heads):
     layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
-    distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2) -> list of losses
+    distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, val=None) -> list of losses
     fidelity(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
 """
 import torch
 
 from attention import _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
+from feature_maps import OAL
 
 
 @torch.no_grad()
@@ -69,23 +70,41 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
     return total
 
 
-def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True):
+def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True, val=None, eval_every=10):
     """Train fmap's parameters (only those) on frozen q, k, v with AdamW (Hedgehog: lr 1e-2, no weight
-    decay). Returns the loss at every step. The O(T^2) forms are used: this is for the short
-    calibration sequences of one layer; a model-wide run distils every layer with one optimiser."""
+    decay). Returns the training loss at every step. The O(T^2) forms are used: this is for the short
+    calibration sequences of one layer; a model-wide run distils every layer with one optimiser.
+
+    An OAL map whose groups were never set is grouped first from these q, k (OAL App. B: grouping, then
+    calibration on the same data). val = (q, k, v) of held-out windows: the loss there is checked every
+    eval_every steps and the best parameters are kept (OAL selects its factors by validation output MSE).
+    """
     params = [p for p in fmap.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(fmap).__name__} has no parameters to distil (it is a fixed map)")
     q, k = q.detach(), k.detach()
     v = None if v is None else v.detach()
+    if isinstance(fmap, OAL) and fmap.G > 1 and not fmap.grouped:
+        fmap.set_groups_from(q, k, causal)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    history = []
-    for _ in range(steps):
+    history, best, best_params = [], float("inf"), None
+    for step in range(steps + 1):
+        if val is not None and (step % eval_every == 0 or step == steps):
+            with torch.no_grad():
+                held_out = distill_loss(fmap, *val, loss=loss, causal=causal).item()
+            if held_out < best:
+                best, best_params = held_out, [p.detach().clone() for p in params]
+        if step == steps:
+            break
         value = distill_loss(fmap, q, k, v, loss, causal)
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
         history.append(value.item())
+    if best_params is not None:
+        with torch.no_grad():
+            for p, b in zip(params, best_params):
+                p.copy_(b)
     return history
 
 

@@ -321,6 +321,7 @@ class OAL(FeatureMap):
         L[:, 1:, 0] = L[:, 1:, 1] = 0.5
         self.L = nn.Parameter(L)
         self.register_buffer("groups", torch.zeros(num_heads, head_dim, dtype=torch.long))
+        self.register_buffer("grouped", torch.tensor(False))  # set_groups was called (distill groups it otherwise)
 
     @torch.no_grad()
     def set_groups(self, groups):
@@ -335,12 +336,13 @@ class OAL(FeatureMap):
                 self.L[h, 2:, 0] = self.L[h, 1, 0]
                 self.L[h, 2:, 1] = self.L[h, 1, 1]
         self.groups.copy_(groups)
+        self.grouped.fill_(True)
 
-    def set_groups_from(self, q, k, causal=True):
+    def set_groups_from(self, q, k, causal=True, budget=None):
         """OAL Sec. 4.2: contribution scores of calibration q, k (B, H, T, D), one row per sequence,
-        then each head's stable-gap groups. Returns the groups, (H, D)."""
+        then each head's stable-gap groups (find_groups; budget=G: the G - 1 best boundaries). Returns the groups, (H, D)."""
         scores = contribution_scores(q, k, causal).cpu()  # (B, H, D)
-        self.set_groups(torch.stack([find_groups(scores[:, h]) for h in range(scores.shape[1])]))
+        self.set_groups(torch.stack([find_groups(scores[:, h], budget=budget) for h in range(scores.shape[1])]))
         return self.groups
 
     def coefficients(self):
@@ -385,40 +387,52 @@ def contribution_scores(q, k, causal=True):
     return (q.abs() * k.abs().cumsum(-2)).sum(-2) / pairs
 
 
-def find_groups(scores, min_ratio=1.5, top_frac=0.25, max_cuts=4, bootstrap=100, keep_frac=0.9, seed=0):
-    """Stable-gap grouping of one head's dimensions (OAL Sec. 4.2, App. B).
+def rank_cuts(scores, min_ratio=1.5, bootstrap=100, seed=0):
+    """The candidate group boundaries of one head, best first (OAL Sec. 4.2, App. B).
 
-    scores: (N, D) contribution scores of N calibration sequences for one head. Returns a (D,) long
-    tensor of group ids: 0 is the low-contribution bulk, higher ids hold higher-contribution dims.
-
-    Sort the mean scores ascending; a cut between sorted positions t and t+1 is a candidate when it
-    lies in the top 25% and c_(t+1) / c_(t) >= 1.5. A cut is kept when it is also a >= 1.5 gap
-    separating the same set of dimensions in >= 90% of bootstrap resamples of the N sequences.
-    At most 4 cuts (the largest gaps), so 1-5 groups.
+    scores: (N, D) contribution scores of N calibration sequences. Sort the mean scores ascending; a
+    boundary after sorted position t puts the D-1-t highest dimensions above it. Candidates lie in the
+    top quarter: 1 to ceil(D/4) - 1 dimensions above (at least 1). Each gets its gap ratio
+    c_(t+1) / c_(t) on the mean scores and its bootstrap support: the fraction of resamples of the N
+    sequences in which the same dimensions sit above a gap of at least min_ratio. Ranked by support,
+    then ratio (both descending), then t (ascending). Returns [(dims above, ratio, support), ...].
     """
     N, D = scores.shape
+    top = max(1, math.ceil(D / 4) - 1)
+    positions = range(D - 1 - top, D - 1)
+    c, order = scores.mean(0).sort()
+    above = {t: frozenset(order[t + 1:].tolist()) for t in positions}
+    ratio = {t: (c[t + 1] / c[t].clamp_min(1e-30)).item() for t in positions}
+    support = {t: 0 for t in positions}
     gen = torch.Generator().manual_seed(seed)
-
-    def gaps(c):  # candidate cuts of one score vector: {frozenset(dims above the cut): ratio}
-        c_sorted, order = c.sort()
-        out = {}
-        for t in range(max(0, math.ceil(D * (1 - top_frac)) - 1), D - 1):
-            ratio = c_sorted[t + 1] / c_sorted[t].clamp_min(1e-30)
-            if ratio >= min_ratio:
-                out[frozenset(order[t + 1:].tolist())] = ratio.item()
-        return out
-
-    candidates = gaps(scores.mean(0))
-    survived = {cut: 0 for cut in candidates}
     for _ in range(bootstrap):
-        resampled = gaps(scores[torch.randint(N, (N,), generator=gen)].mean(0))
-        for cut in candidates:
-            survived[cut] += cut in resampled
-    kept = [cut for cut in candidates if survived[cut] >= keep_frac * bootstrap]
-    kept = sorted(kept, key=lambda cut: -candidates[cut])[:max_cuts]
-    groups = torch.zeros(D, dtype=torch.long)
-    for cut in kept:  # a dimension's group = how many kept cuts it lies above
-        groups[list(cut)] += 1
+        c_b, order_b = scores[torch.randint(N, (N,), generator=gen)].mean(0).sort()
+        passing = {frozenset(order_b[t + 1:].tolist()) for t in positions if c_b[t + 1] >= min_ratio * c_b[t]}
+        for t in positions:
+            support[t] += above[t] in passing
+    ranked = sorted(positions, key=lambda t: (-support[t], -ratio[t], t))
+    return [(sorted(above[t]), ratio[t], support[t] / bootstrap) for t in ranked]
+
+
+def find_groups(scores, min_ratio=1.5, min_support=0.9, max_cuts=4, budget=None, seed=0):
+    """Stable-gap grouping of one head's dimensions (OAL Sec. 4.2, App. B). scores: (N, D) contribution
+    scores of N calibration sequences. Returns a (D,) long tensor of group ids: 0 is the low-contribution
+    bulk, higher ids hold higher-contribution dimensions (a dimension's id = how many boundaries it is above).
+
+    The published rule: keep the ranked candidates (rank_cuts) whose ratio >= 1.5 and support >= 90%, at
+    most 4, so 2-5 groups; the official code admits no other count. When no candidate passes, the code
+    that still makes a second group is not released; we use the best-ranked candidate anyway (our reading
+    of the enforced minimum). budget=G instead takes the G - 1 best-ranked boundaries (OAL Sec. 4.2's
+    budget study), thresholds ignored.
+    """
+    ranked = rank_cuts(scores, min_ratio, seed=seed)
+    if budget is not None:
+        cuts = ranked[:budget - 1]
+    else:
+        cuts = [cut for cut in ranked if cut[1] >= min_ratio and cut[2] >= min_support][:max_cuts] or ranked[:1]
+    groups = torch.zeros(scores.shape[1], dtype=torch.long)
+    for dims, _, _ in cuts:
+        groups[dims] += 1
     return groups
 
 

@@ -49,6 +49,7 @@ layers = "all"  # "all" or a comma-separated list of layer indices
 seq_len = 64  # calibration and scoring windows, in tokens
 lengths = "128,256,512"  # longer held-out windows for part 3 (MiniLM has 512 positions)
 calib = 16  # calibration windows
+val = 8  # held-out windows from the calibration text: the best checkpoint of each learned map is kept
 test = 8  # held-out windows per length
 steps = 100  # distillation steps per layer and map (full batch of calibration windows)
 lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
@@ -61,37 +62,6 @@ plots = True
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
 LOSS = {"quadratic": "mse", "oal": "mse"}  # OAL's output calibration; every other learned map: Hedgehog's
-
-
-def load(name):
-    """-> model, encode(text) -> token ids, (cls, sep) ids or None for a causal LM."""
-    try:
-        if name == "minilm":
-            model, tok = pretrained.load_minilm()
-
-            def encode(text):
-                return tok.encode(text, add_special_tokens=False).ids
-
-            return model, encode, (tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
-        model, tok = pretrained.load_gpt2(name)
-
-        def encode(text):
-            return tok(text, verbose=False)["input_ids"]
-
-        return model, encode, None
-    except RuntimeError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def windows(ids, n, T, special, gen):
-    """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT."""
-    inner = T - (2 if special else 0)
-    starts = torch.randint(0, len(ids) - inner, (n,), generator=gen)
-    x = torch.stack([ids[s:s + inner] for s in starts.tolist()])
-    if special:
-        cls, sep = (torch.full((n, 1), t) for t in special)
-        x = torch.cat([cls, x, sep], 1)
-    return x
 
 
 def held_out_sentences(text, encode, special, n, max_tokens):
@@ -107,17 +77,15 @@ def held_out_sentences(text, encode, special, n, max_tokens):
     return out
 
 
-def build_map(name, attn, q, k, v, cfg):
-    """A feature map for one layer's heads, distilled on calibration q, k, v when it has parameters.
-    Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
+def build_map(name, attn, calib, val, cfg):
+    """A feature map for one layer's heads, distilled on the calibration (q, k, v) when it has parameters,
+    keeping the best checkpoint on the held-out val (q, k, v). OAL is grouped first from the calibration
+    q, k (inside distill_feature_map). Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
     fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
-    groups = None
-    if name == "oal":  # OAL Sec. 4.2: stable-gap groups from per-sequence contribution scores
-        groups = fmap.set_groups_from(q, k, attn.causal).tolist()
     if any(p.requires_grad for p in fmap.parameters()):
-        distill.distill_feature_map(fmap, q, k, v, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
-                                    causal=attn.causal)
-    return fmap, groups
+        distill.distill_feature_map(fmap, *calib, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
+                                    causal=attn.causal, val=val)
+    return fmap, fmap.groups.tolist() if name == "oal" else None
 
 
 @torch.no_grad()
@@ -173,7 +141,7 @@ def main(cfg):
         raise SystemExit(f"error: unknown maps {sorted(set(names) - set(FEATURE_MAPS))}; valid: {', '.join(FEATURE_MAPS)}")
     if set(convert_names) - set(names):
         raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
-    model, encode, special = load(cfg["model"])
+    model, encode, special = pretrained.load(cfg["model"])
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
     layer_ids = list(range(L)) if cfg["layers"] == "all" else [int(i) for i in cfg["layers"].split(",")]
@@ -185,13 +153,15 @@ def main(cfg):
     cut = int(0.8 * len(text))
     gen = torch.Generator().manual_seed(cfg["seed"])
     train_ids, test_tok = torch.tensor(encode(text[:cut])), torch.tensor(encode(text[cut:]))
-    calib_x = windows(train_ids, cfg["calib"], cfg["seq_len"], special, gen)
-    test_x = {T: windows(test_tok, cfg["test"], T, special, gen) for T in [cfg["seq_len"]] + lengths}
+    calib_x = pretrained.windows(train_ids, cfg["calib"], cfg["seq_len"], special, gen)
+    test_x = {T: pretrained.windows(test_tok, cfg["test"], T, special, gen) for T in [cfg["seq_len"]] + lengths}
+    val_x = pretrained.windows(train_ids, cfg["val"], cfg["seq_len"], special, gen)  # held out from calibration: best checkpoint
     sents = held_out_sentences(text[cut:], encode, special, cfg["sentences"], cfg["seq_len"]) if special else []
     print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_heads} heads of {model.blocks[0].attn.head_dim}, "
           f"{'bidirectional' if not causal else 'causal'}; calibration {tuple(calib_x.shape)}, held-out windows at "
           f"{list(test_x)} tokens, {len(sents)} held-out sentences")
     calib_qkv = distill.layer_qkv(model, calib_x, layer_ids)
+    val_qkv = distill.layer_qkv(model, val_x, layer_ids)
     test_qkv = {T: distill.layer_qkv(model, x, layer_ids) for T, x in test_x.items()}
 
     # parts 1 and 3: every map at every layer, distilled once at seq_len, scored at every length
@@ -201,7 +171,7 @@ def main(cfg):
         contrib[i] = contributions(*calib_qkv[i][:2], causal)
         for name in names:
             t = time.time()
-            fmaps[name][i], g = build_map(name, attn, *calib_qkv[i], cfg)
+            fmaps[name][i], g = build_map(name, attn, calib_qkv[i], val_qkv[i], cfg)
             if g is not None:
                 groups[i] = g
             q, k, v = test_qkv[cfg["seq_len"]][i]

@@ -3,6 +3,8 @@ Real pretrained softmax Transformers in our own modules, so that every feature m
 behind their attention (Hedgehog Sec. 5.1, 5.3-5.4; OAL Sec. 5.1-5.2).
 
     model, tok = load_minilm()        # all-MiniLM-L6-v2, offline: BERT, 6 layers, 12 heads of 32, bidirectional
+    model, encode, special = load("minilm")   # either model by name, with encode(text) -> ids, for the scripts
+    x = windows(ids, n, T, special, generator) # n random windows of T tokens ([CLS] ... [SEP] for BERT)
     model, tok = load_gpt2("gpt2")    # GPT-2 124M through `transformers` (downloads once; online)
 
 Both models are built from attention.MultiHeadAttention (separate q, k, v, o projections), so
@@ -15,6 +17,7 @@ mean of the last hidden states over tokens, L2-normalised (the sentence-transfor
 """
 import os
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -142,3 +145,34 @@ def load_gpt2(name="gpt2"):
         raise RuntimeError(f"could not load {name!r} through transformers (offline?): {first}\n"
                            f"The offline model here is MiniLM: {MINILM_HELP}") from None
     return gpt2_from_transformers(hf), tok
+
+
+def load(name):
+    """-> model, encode(text) -> token ids, (cls, sep) ids or None for a causal LM."""
+    try:
+        if name == "minilm":
+            model, tok = load_minilm()
+
+            def encode(text):
+                return tok.encode(text, add_special_tokens=False).ids
+
+            return model, encode, (tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
+        model, tok = load_gpt2(name)
+
+        def encode(text):
+            return tok(text, verbose=False)["input_ids"]
+
+        return model, encode, None
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def windows(ids, n, T, special, gen):
+    """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT."""
+    inner = T - (2 if special else 0)
+    starts = torch.randint(0, len(ids) - inner, (n,), generator=gen)
+    x = torch.stack([ids[s:s + inner] for s in starts.tolist()])
+    if special:
+        cls, sep = (torch.full((n, 1), t) for t in special)
+        x = torch.cat([cls, x, sep], 1)
+    return x

@@ -414,18 +414,60 @@ def test_contribution_scores_match_pairwise_mean():
     assert torch.allclose(fm.contribution_scores(q, k, causal=False), ref, atol=1e-12)
 
 
-def test_find_groups_separates_stable_outliers():
+def constant_rows(c, N=8):
+    """N calibration sequences that all have the mean scores c: every bootstrap resample is c itself."""
+    return torch.tensor(c, dtype=torch.float64).expand(N, len(c))
+
+
+def test_find_groups_hand_worked():
+    """D = 16: candidates are 1 to ceil(16/4) - 1 = 3 dimensions above a boundary (t = 12, 13, 14 in the
+    sorted order). With identical sequences the support of a candidate is 1 if its ratio >= 1.5, else 0."""
+    # a clear outlier: ratios 1, 1, 10 -> t = 14 passes alone -> two groups, dim 15 alone
+    assert fm.find_groups(constant_rows([1.0] * 15 + [10.0])).tolist() == [0] * 15 + [1]
+    # two moderate dims (x3) and a strong one (x10): t = 12 (ratio 3) and t = 14 (3.33) pass -> three groups
+    assert fm.find_groups(constant_rows([1.0] * 13 + [3.0, 3.0, 10.0])).tolist() == [0] * 13 + [1, 1, 2]
+    # no outlier: ratios 1.1, 1.09, 1.17, none passes; the best-ranked (highest ratio, t = 14) is used anyway
+    assert fm.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4])).tolist() == [0] * 15 + [1]
+    # a tie: ratios 1.25, 1.2, 1.25 (exact in binary); t = 12 and t = 14 tie, the lower index wins
+    assert fm.find_groups(constant_rows([1.0] * 13 + [1.25, 1.5, 1.875])).tolist() == [0] * 13 + [1, 1, 1]
+    # never more than ceil(D/4) - 1 = 3 dims above the lowest boundary: a 4-dim outlier block is out of reach
+    groups = fm.find_groups(constant_rows([1.0] * 12 + [10.0] * 4))
+    assert groups.max() == 1 and groups.sum() <= 3
+    # the budget study's rule: the G - 1 best-ranked boundaries whatever their ratio: t = 14 (1.17), then t = 12 (1.1)
+    assert fm.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4]), budget=3).tolist() == [0] * 13 + [1, 1, 2]
+    assert fm.find_groups(constant_rows([1.0] * 16), budget=1).eq(0).all()
+
+
+def test_find_groups_support_comes_first():
+    """A gap seen in only half the sequences (mean ratio 1.55) has bootstrap support below 90%: it is not
+    kept by the thresholds, but as the only candidate with any support it ranks first and is the forced one."""
     g = torch.Generator().manual_seed(0)
-    base = 1 + 0.05 * torch.rand(32, 16, generator=g)  # 32 sequences, 16 dims, a flat bulk
-    base[:, 15] *= 10  # one strong outlier (ratio 10)
-    base[:, 13:15] *= 3  # two moderate ones (ratio 3)
-    groups = fm.find_groups(base)
-    assert groups.tolist() == [0] * 13 + [1, 1, 2]
-    assert fm.find_groups(1 + 0.05 * torch.rand(32, 16, generator=g)).eq(0).all()  # no gap: one group
     noisy = 1 + 0.05 * torch.rand(32, 16, generator=g)
-    noisy[::2, 15] *= 2.1  # in half the sequences only: the mean gap is 1.55, but resamples often fall below 1.5
-    assert fm.find_groups(noisy.mean(0, keepdim=True).expand(32, 16)).tolist() == [0] * 15 + [1]  # without the noise: kept
-    assert fm.find_groups(noisy).eq(0).all()
+    noisy[::2, 15] *= 2.1
+    ranked = fm.rank_cuts(noisy)
+    assert ranked[0][0] == [15] and ranked[0][1] >= 1.5 and 0 < ranked[0][2] < 0.9
+    assert all(support == 0 for _, _, support in ranked[1:])
+    assert fm.find_groups(noisy).tolist() == [0] * 15 + [1]
+
+
+def test_calibrating_an_ungrouped_oal_map_groups_it_first():
+    """distill_feature_map on an OAL map with no groups set groups it from the calibration q, k (2-5 groups
+    per head), and with held-out windows keeps the best checkpoint: its held-out loss is the minimum seen."""
+    import distill
+    q, k, v = qkv(B=4, T=24, D=16, Dv=16, seed=3)
+    q[..., 3] *= 6  # an outlier dimension in every head
+    fmap = fm.make_feature_map("oal", 16, 2).double()
+    val = qkv(B=2, T=24, D=16, Dv=16, seed=4)
+    val[0][..., 3] *= 6
+    distill.distill_feature_map(fmap, q, k, v, loss="mse", steps=30, val=tuple(val))
+    groups = fmap.groups
+    assert fmap.grouped and all(2 <= int(g.max()) + 1 <= 5 for g in groups)
+    assert (groups[:, 3] > 0).all()  # the outlier is out of the bulk
+    kept = distill.distill_loss(fmap, *val, loss="mse").item()
+    fresh = fm.make_feature_map("oal", 16, 2).double()
+    fresh.set_groups(groups)
+    start = distill.distill_loss(fresh, *val, loss="mse").item()
+    assert kept <= start  # never worse than the Taylor start on held-out data
 
 
 # ----------------------------------------------------------------------------------------------
