@@ -46,6 +46,7 @@ tl.dot uses TF32 (about 1e-3 relative error). `python kernel.py` checks correctn
 import json
 import math
 import os
+import re
 import time
 
 import torch
@@ -284,7 +285,7 @@ def _tile(n, cap):
 def _configs(F, Dv):
     """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv. Chosen so that
     every launch fits sm_80's and sm_90's shared memory and spills no registers (`python kernel.py
-    --build_check` compiles them all and prints the cost of each)."""
+    --build_check=true` compiles them all and prints the cost of each)."""
     return {"states": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
@@ -295,6 +296,8 @@ _launch_log = None  # a list while the build check records launches instead of r
 
 
 def _launch(kernel, grid, *args, **meta):
+    """kernel[grid](*args, **meta), or, while the build check collects launches (on meta tensors, which
+    hold no data), a record of it."""
     if _launch_log is not None:
         _launch_log.append((kernel, grid, args, meta))
     else:
@@ -409,7 +412,7 @@ def _compile(kernel, args, meta, arch):
         f.flush()
         usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(x) for x in __import__("re").search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return compiled.metadata.shared, regs, stack
 
 
