@@ -117,6 +117,23 @@ def test_fidelity_report_smoke(tmp_path):
     assert len(r["contributions"]["0"]["top_share"]) == 12
 
 
+@needs_minilm
+def test_oal_budget_smoke(tmp_path):
+    """Guards the budget study's bookkeeping: G groups per head for budget G (2 for the published rule,
+    32 for one per dimension), random groups of the same sizes, and a RelMSE for each head."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "oal_budget.py", "--layers=0", "--budgets=1,3", "--steps=2", "--calib=2",
+                          "--val=2", "--test=2", "--seq_len=32", f"--out={tmp_path / 'b.json'}"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {(r["kind"], r["G"]): r for r in json.load(open(tmp_path / "b.json"))["rows"]}
+    assert set(rows) == {("contribution", 1), ("contribution", 3), ("random", 3), ("published", 0), ("per dimension", 32)}
+    assert rows["contribution", 3]["groups_per_head"] == rows["random", 3]["groups_per_head"] == [3] * 12
+    assert rows["per dimension", 32]["groups_per_head"] == [32] * 12
+    assert all(2 <= g <= 5 for g in rows["published", 0]["groups_per_head"])
+    assert all(len(r["rel_mse_heads"]) == 12 and r["rel_mse"] > 0 for r in rows.values())
+
+
 @needs_transformers
 def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
     """The causal (GPT-2) path of fidelity.py end to end, on a small random GPT-2 and a character
