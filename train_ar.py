@@ -48,6 +48,7 @@ epochs = 3  # at most, the same for every attention: what softmax needs here; st
 batch_size = 64
 lr = 3e-3
 weight_decay = 0.1
+max_minutes = 0.0  # per run: stop after the epoch in which this much time has passed (0: no limit)
 target_acc = 0.99  # early stopping when the per-epoch accuracy (on the first 500 test sequences) reaches this
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
 seeds = "0"  # comma-separated; more than one reports mean and spread
@@ -190,7 +191,7 @@ def train_one(attention, seed, data, cfg, dev):
         per_epoch.append(acc)
         print(f"{attention} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
               f"test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
-        if acc >= cfg["target_acc"]:
+        if acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0:
             break
     acc = evaluate(model, x_test, y_test)  # the reported accuracy: all test sequences
     seconds = time.time() - t0
