@@ -580,6 +580,17 @@ def test_train_ar_smoke(tmp_path):
         assert 0 <= r["test_acc"] <= 1 and 0 < r["entropy"] <= math.log(127)
 
 
+def test_train_ar_max_minutes_stops_after_the_epoch():
+    """--max_minutes ends a run after the epoch in which the time passed; 0 means no limit."""
+    import train_ar
+    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(16, seed=2))
+    for minutes, epochs in ((1e-9, 1), (0.0, 3)):
+        cfg = dict(train_ar.config, epochs=3, batch_size=32, eval_every=1, target_acc=2.0, max_minutes=minutes)
+        record, _ = train_ar.train_one("softmax", 0, data, cfg, "cpu")
+        assert record["epochs"] == epochs and len(record["test_acc_per_epoch"]) == epochs
+        assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
+
+
 def test_scripts_reject_unknown_settings():
     for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"]):
         assert "error" in run_script("train_ar.py", *args, ok=False)
