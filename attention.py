@@ -48,19 +48,24 @@ def softmax_attention(q, k, v, causal=True):
     return attention_weights(q, k, causal=causal).to(v.dtype) @ v
 
 
-def linear_weights(qf, kf, causal=True, eps=1e-6):
-    """Normalised linear attention weights A_ij = qf_i . kf_j / (sum_l qf_i . kf_l + eps), (B, H, T, T)."""
-    A = _fp32(qf) @ _fp32(kf).transpose(-1, -2)  # (B, H, T, T)
+def _normalise(A, causal=True, eps=1e-6):
+    """Kernel values A (B, H, T, T) -> linear attention weights A_ij / (sum_l A_il + eps), j <= i if causal."""
     if causal:
         A = A.masked_fill(~causal_mask(A.shape[-1], A.device), 0.0)
     return A / (A.sum(-1, keepdim=True) + eps)
 
 
+def linear_weights(qf, kf, causal=True, eps=1e-6):
+    """Normalised linear attention weights A_ij = qf_i . kf_j / (sum_l qf_i . kf_l + eps), (B, H, T, T)."""
+    return _normalise(_fp32(qf) @ _fp32(kf).transpose(-1, -2), causal, eps)
+
+
 def attention_weights(q, k, fmap=None, causal=True, eps=1e-12):
-    """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap(q, k).
+    """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap's
+    kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for OAL).
     eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows."""
     if fmap is not None:
-        return linear_weights(*fmap(q, k), causal=causal, eps=eps)
+        return _normalise(fmap.scores(q, k), causal, eps)
     s = _fp32(q) @ _fp32(k).transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T) logits
     if causal:
         s = s.masked_fill(~causal_mask(s.shape[-1], s.device), float("-inf"))

@@ -77,6 +77,12 @@ class FeatureMap(nn.Module):
     def forward(self, q, k, offset=0):
         return self.phi(_fp32(q)), self.phi(_fp32(k))
 
+    def scores(self, q, k):
+        """The kernel at every pair, phi_q(q_i) . phi_k(k_j): (B, H, T, T) in float32, unnormalised. The
+        O(T^2) forms (attention.attention_weights, the distillation losses) start from this."""
+        qf, kf = self(q, k)
+        return _fp32(qf) @ _fp32(kf).transpose(-1, -2)
+
 
 # ----------------------------------------------------------------------------------------------
 # fixed maps
@@ -367,6 +373,22 @@ class OAL(FeatureMap):
                         s0 * b_dim[:, None, :] * q,  # (B, H, T, D)
                         s0 ** 2 * (mu * C_pair)[:, None, :] * pair_products(q)], dim=-1)  # (B, H, T, P)
         return qf, kf
+
+    def scores(self, q, k):
+        """K(q_i, k_j) at every pair straight from the definition: the group partial logits z_g, then
+        eps + ||[1, z] L||^2. That costs G D + (G+1)^2 per pair against the features' 1 + D + D(D+1)/2,
+        so the features are used when they are cheaper (one group per dimension)."""
+        H, D = self.groups.shape
+        G = self.G
+        if G * D + (G + 1) ** 2 >= 1 + D + D * (D + 1) // 2:
+            return super().scores(q, k)
+        q, k = _fp32(q), _fp32(k)
+        T, S = q.shape[-2], k.shape[-2]
+        dims = F.one_hot(self.groups, G).transpose(1, 2).to(q.dtype)  # (H, G, D): the dimensions of each group
+        z = (q[:, :, None] * dims[:, :, None]) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (B, H, G, T, S)
+        L = torch.tril(self.L).to(q.dtype)  # (H, G+1, G+1)
+        w = L[:, 1:].transpose(1, 2) @ z.flatten(3) + L[:, 0, :, None]  # [1, z] L: (B, H, G+1, T*S)
+        return (w.pow(2).sum(2) + self.eps).unflatten(-1, (T, S))
 
 
 # ----------------------------------------------------------------------------------------------

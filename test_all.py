@@ -290,6 +290,36 @@ def test_oal_split_keeps_the_kernel():
     assert torch.allclose(kernel_matrix(fmap, q, k), before, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_scores_equal_the_features_products(name):
+    """fmap.scores, where the O(T^2) forms and the distillation start, is qf kf^T for every map."""
+    fmap = make_map(name)
+    q, k, _ = qkv(T=11)
+    assert torch.allclose(fmap.scores(q, k), kernel_matrix(fmap, q, k), rtol=1e-10, atol=1e-10)
+
+
+def test_oal_direct_scores_match_definition_and_features_with_gradients():
+    """At D = 16 with 5 groups OAL's scores skip the features (group logits, then eps + ||[1, z] L||^2):
+    values and gradients (q, k, L) equal both the features' and the test's own einsum of the definition.
+    With one group per dimension it uses the features (cheaper there), also checked."""
+    for G in (5, 16):
+        torch.manual_seed(G)
+        fmap = fm.make_feature_map("oal", 16, 2, max_groups=G).double()
+        fmap.set_groups(torch.randint(0, G, (2, 16)))
+        with torch.no_grad():
+            fmap.L.normal_()
+        q, k, _ = (x.requires_grad_() for x in qkv(T=9, D=16, scale=1.5, seed=G))
+        dy = torch.randn(2, 2, 9, 9, dtype=torch.float64)
+        results = []
+        for K in (fmap.scores, lambda q, k: kernel_matrix(fmap, q, k), lambda q, k: oal_kernel_by_definition(fmap, q, k)):
+            out = K(q, k)
+            results.append([out, *torch.autograd.grad(out, (q, k, fmap.L), dy)])
+        for got, ref in zip(results[0], results[1]):
+            assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9)
+        for got, ref in zip(results[0], results[2]):
+            assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9)
+
+
 def test_oal_rejects_bad_groups():
     with pytest.raises(ValueError, match="groups"):
         fm.make_feature_map("oal", 8, 2).set_groups(torch.full((2, 8), 7))
