@@ -225,6 +225,7 @@ def main(cfg):
     records, converted = [], {}
     for name in names:
         t0 = time.time()
+        torch.manual_seed(cfg["seed"])  # each method's random inits (feature maps, LoRA) from the same seed
         if name == "softmax":  # the teacher gets the same finetuning budget, so that "gap closed" is fair
             model = copy.deepcopy(teacher)
             finetune_model(model, train_ids, cfg, dev)
@@ -234,7 +235,6 @@ def main(cfg):
             print(f"softmax teacher: val ppl {teacher_ppl:.2f}, after the same finetuning {records[-1]['val_ppl']:.2f}")
             continue
         fmap_name, loss = METHODS[name]
-        torch.manual_seed(cfg["seed"])
         model = copy.deepcopy(teacher)
         swap(model, fmap_name, layer_ids)
         print(f"{name}: {fmap_name} in layers {layer_ids}")

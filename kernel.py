@@ -32,7 +32,7 @@ T = 32K, F = 128, Dv = 64), twice that in the backward. Programs per launch at B
 F = 128, Dv = 64: pass 1 96 (each walks 512 chunks in sequence: the serial part), pass 2 6144, dqk
 24576, dv 6144. Measured on an H200 (bf16, F = 128, Dv = 64, 12 heads, T = 32K): FlashAttention's causal
 forward 5.7 ms, ours 1.5 ms (3.8x; 4.3x forward+backward). The bytes alone would take ~0.2 ms, so the
-512 dependent steps of pass 1 in 96 programs (~2 us each) are the likely limit; below ~8K tokens
+512 dependent steps of pass 1 in 96 programs (at most ~3 us each) are the likely limit; below ~8K tokens
 FlashAttention is faster (launch overhead: ~0.25 ms for our forward at 1K).
 Tiles, warps and stages (_configs) were chosen with the build check: `python kernel.py --build_check`
 compiles every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a

@@ -926,6 +926,9 @@ def test_readme_commands_in_order(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0], out
     records = json.load(open(tmp_path / "results" / "convert.json"))
     assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal"]
+    run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
+               "--plots=false", "--results=again.json", cwd=tmp_path)  # a new process: every random init is seeded
+    assert json.load(open(tmp_path / "again.json"))[0]["val_ppl"] == records[0]["val_ppl"]
     assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
 
 
