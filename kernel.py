@@ -34,9 +34,9 @@ F = 128, Dv = 64: pass 1 96 (each walks 512 chunks in sequence: the serial part)
 forward 5.7 ms, ours 1.5 ms (3.8x; 4.3x forward+backward). The bytes alone would take ~0.2 ms, so the
 512 dependent steps of pass 1 in 96 programs (at most ~3 us each) are the likely limit; below ~8K tokens
 FlashAttention is faster (launch overhead: ~0.25 ms for our forward at 1K).
-Tiles, warps and stages (_configs) were chosen with the build check: `python kernel.py --build_check`
-compiles every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a
-GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and register spills.
+Tiles, warps and stages (_configs) were chosen with the build check: `python build_check.py` compiles
+every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a GPUTarget; ptxas
+and cuobjdump ship with triton) and checks shared memory and register spills.
 
 Where this was tested: both backends against a float64 reference, forward and gradients, with
 float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernels in
@@ -47,7 +47,6 @@ every build-checked (F, Dv), as an fp32 tl.dot uses TF32 there. `python kernel.p
 import json
 import math
 import os
-import re
 import time
 
 import torch
@@ -285,8 +284,8 @@ def _tile(n, cap):
 
 def _configs(F, Dv):
     """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv. Chosen so that
-    every launch fits sm_80's and sm_90's shared memory and spills no registers (`python kernel.py
-    --build_check=true` compiles them all and prints the cost of each)."""
+    every launch fits sm_80's and sm_90's shared memory and spills no registers (`python build_check.py`
+    compiles them all and prints the cost of each)."""
     return {"states": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
@@ -294,7 +293,7 @@ def _configs(F, Dv):
             "dv": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=4 if Dv <= 32 else 8, num_stages=2)}
 
 
-_launch_log = None  # a list while the build check records launches instead of running them
+_launch_log = None  # a list while build_check.py records launches instead of running them
 
 
 def _launch(kernel, grid, *args, **meta):
@@ -367,107 +366,10 @@ class _TritonLinearAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Build check: compile every launch ahead of time for real GPUs, on any machine (no GPU needed)
+# Which sizes backend="auto" trusts on CUDA: those build_check.py compiles for sm_80 and sm_90
 
-SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
 BUILD_F = (8, 16, 32, 45, 64, 128, 256, 561, 2145)  # feature sizes the maps produce (45, 2145: Taylor at D 8, 64)
 BUILD_DV = (8, 32, 64, 128)
-
-
-def _recorded_launches(F_, Dv, T, dtype):
-    """The kernel launches of one forward and one backward at these sizes, recorded on meta tensors."""
-    global _launch_log
-    _launch_log = []
-    try:
-        q, k = (torch.empty(1, T, F_, device="meta", dtype=dtype) for _ in range(2))
-        v = torch.empty(1, T, Dv, device="meta", dtype=dtype)
-        y, den = _triton_forward(q, k, v, 1e-6)
-        _triton_backward(q, k, v, y, den, torch.empty_like(v))
-        return _launch_log
-    finally:
-        _launch_log = None
-
-
-def _compile(kernel, args, meta, arch):
-    """Compile one launch for sm_<arch> with the specialisation the JIT would give these arguments.
-    Returns (shared bytes, registers per thread, stack bytes) of the compiled kernel."""
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-    from triton._C.libtriton import native_specialize_impl
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (param, arg) in enumerate(zip(kernel.params, list(args) + [meta[p.name] for p in kernel.params[len(args):]])):
-        if param.is_constexpr:
-            signature[param.name], constexprs[(i,)] = "constexpr", arg
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize, True)  # ("i32", "D"): divisible by 16
-        signature[param.name] = ty
-        if ty == "constexpr":  # an int equal to 1 is compiled in as a constant
-            constexprs[(i,)] = spec
-        elif spec:
-            attrs[(i,)] = BaseBackend.parse_attr(spec)
-    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    return compiled.metadata.shared, regs, stack
-
-
-def _programs(kern, F_, Dv, BH, T):
-    """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
-    cfg, N = _configs(F_, Dv)[kern], triton.cdiv(T, CHUNK)
-    if kern == "states":
-        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
-    return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
-
-
-def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, verbose=True):
-    """Compile every launch that causal_linear_attention(backend="triton") makes, forward and backward,
-    for every (F, Dv) in BUILD_F x BUILD_DV and each dtype, for each GPU arch; check that each fits the
-    arch's shared memory per block and spills no registers (a stack frame means spills). Launches that
-    compile to the same code are compiled once. Returns the rows; `ok` is False for a launch that fails."""
-    rows, seen = [], {}
-    for dtype in dtypes:
-        for F_ in BUILD_F:
-            for Dv in BUILD_DV:
-                for kernel, grid, args, meta in _recorded_launches(F_, Dv, T, dtype):
-                    specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
-                    dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
-                    for arch in archs:
-                        key = (kernel.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
-                               tuple(sorted(meta.items())))
-                        if key not in seen:
-                            seen[key] = _compile(kernel, args, meta, arch)
-                        shared, regs, stack = seen[key]
-                        rows.append(dict(kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"), arch=arch,
-                                         dtype=str(dtype).removeprefix("torch."), F=F_, Dv=Dv, programs=grid[0] * grid[1] * grid[2],
-                                         grid=grid, **{k: meta[k] for k in ("BK", "BV", "num_warps", "num_stages")},
-                                         shared=shared, regs=regs, stack=stack,
-                                         ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
-    if verbose:
-        print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(BUILD_F)} F x {len(BUILD_DV)} Dv x 4 kernels, T = {T}); worst case per kernel, arch and dtype:")
-        print(f"{'kernel':<7} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
-              f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
-        groups = {}
-        for r in rows:
-            groups.setdefault((r["kernel"], r["arch"], r["dtype"]), []).append(r)
-        for (kern, arch, dtype), rs in groups.items():
-            tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
-            print(f"{kern:<7} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "
-                  f"{rs[0]['num_stages']:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
-                  f" {max(r['regs'] for r in rs):>5} {sum(r['stack'] > 0 for r in rs):>6} {sum(not r['ok'] for r in rs):>4}"
-                  f"   {_programs(kern, 64, 64, 12, 32768)}")
-        bad = [r for r in rows if not r["ok"]]
-        for r in bad:
-            print(f"FAILS: {r}")
-        print(f"build check: {len(rows) - len(bad)} of {len(rows)} launches fit in shared memory and do not spill")
-    return rows
 
 
 def _code_key(F_, Dv):
@@ -643,17 +545,6 @@ if __name__ == "__main__":
         "repeats": 5,
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
-        "build_check": False,  # instead: compile every Triton launch for sm_80 and sm_90, print the table, save results/build_check.json
     })
-    if cfg["build_check"]:
-        if not HAS_TRITON or INTERPRET:
-            raise SystemExit("error: the build check needs triton (Linux only) and TRITON_INTERPRET unset")
-        rows = build_check()
-        out = cfg["out"].replace("kernel.json", "build_check.json")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"saved {out}")
-        raise SystemExit(0 if all(r["ok"] for r in rows) else 1)
     benchmark(cfg["heads"], cfg["dim"], cfg["features"], [int(t) for t in cfg["lengths"].split(",")], cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

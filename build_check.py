@@ -1,0 +1,136 @@
+"""
+The Triton kernels compiled for GPUs this machine may not have. Every launch that
+kernel.causal_linear_attention(backend="triton") makes, forward and backward, is compiled ahead of time
+for sm_80 (A100) and sm_90 (H100/H200) with triton.compile and a GPUTarget, no GPU needed, and checked:
+shared memory per block within the arch's limit, and no register spills (a stack frame in cuobjdump's
+resource usage; ptxas and cuobjdump ship with triton).
+
+    python build_check.py          # about 2 minutes on 2 cores with an empty Triton cache
+
+Prints the worst case per kernel, arch and dtype and saves every launch to results/build_check.json;
+exits 1 if any launch does not fit. The launches are recorded, not run: kernel._launch appends them to
+kernel._launch_log while that is a list, and the forward and backward run on meta tensors (shapes, no
+data). The shapes are kernel.BUILD_F x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts on
+CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
+chosen with it. It is its own file because compiling for machines you do not have is its own question.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import kernel
+from configurator import configure
+
+if not kernel.HAS_TRITON or kernel.INTERPRET:
+    sys.exit("error: the build check needs triton (Linux only) and TRITON_INTERPRET unset")
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+
+SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
+
+
+def recorded_launches(F_, Dv, T, dtype):
+    """The kernel launches of one forward and one backward at these sizes, recorded on meta tensors."""
+    kernel._launch_log = []
+    try:
+        q, k = (torch.empty(1, T, F_, device="meta", dtype=dtype) for _ in range(2))
+        v = torch.empty(1, T, Dv, device="meta", dtype=dtype)
+        y, den = kernel._triton_forward(q, k, v, 1e-6)
+        kernel._triton_backward(q, k, v, y, den, torch.empty_like(v))
+        return kernel._launch_log
+    finally:
+        kernel._launch_log = None
+
+
+def compile_launch(fn, args, meta, arch):
+    """Compile one launch for sm_<arch> with the specialisation the JIT would give these arguments.
+    Returns (shared bytes, registers per thread, stack bytes) of the compiled kernel."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, arg) in enumerate(zip(fn.params, list(args) + [meta[p.name] for p in fn.params[len(args):]])):
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", arg
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize, True)  # ("i32", "D"): divisible by 16
+        signature[param.name] = ty
+        if ty == "constexpr":  # an int equal to 1 is compiled in as a constant
+            constexprs[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return compiled.metadata.shared, regs, stack
+
+
+def programs(kern, F_, Dv, BH, T):
+    """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
+    cfg, N = kernel._configs(F_, Dv)[kern], triton.cdiv(T, kernel.CHUNK)
+    if kern == "states":
+        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
+    return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
+
+
+def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, verbose=True):
+    """Compile every launch that causal_linear_attention(backend="triton") makes, forward and backward,
+    for every (F, Dv) in kernel.BUILD_F x kernel.BUILD_DV and each dtype, for each GPU arch; check that each fits the
+    arch's shared memory per block and spills no registers (a stack frame means spills). Launches that
+    compile to the same code are compiled once. Returns the rows; `ok` is False for a launch that fails."""
+    rows, seen = [], {}
+    for dtype in dtypes:
+        for F_ in kernel.BUILD_F:
+            for Dv in kernel.BUILD_DV:
+                for fn, grid, args, meta in recorded_launches(F_, Dv, T, dtype):
+                    specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
+                    dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
+                    for arch in archs:
+                        key = (fn.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
+                               tuple(sorted(meta.items())))
+                        if key not in seen:
+                            seen[key] = compile_launch(fn, args, meta, arch)
+                        shared, regs, stack = seen[key]
+                        rows.append(dict(kernel=fn.fn.__name__.strip("_").removesuffix("_kernel"), arch=arch,
+                                         dtype=str(dtype).removeprefix("torch."), F=F_, Dv=Dv, programs=grid[0] * grid[1] * grid[2],
+                                         grid=grid, **{k: meta[k] for k in ("BK", "BV", "num_warps", "num_stages")},
+                                         shared=shared, regs=regs, stack=stack,
+                                         ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
+    if verbose:
+        print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
+              f"{len(kernel.BUILD_F)} F x {len(kernel.BUILD_DV)} Dv x 4 kernels, T = {T}); worst case per kernel, arch and dtype:")
+        print(f"{'kernel':<7} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
+              f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
+        groups = {}
+        for r in rows:
+            groups.setdefault((r["kernel"], r["arch"], r["dtype"]), []).append(r)
+        for (kern, arch, dtype), rs in groups.items():
+            tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
+            print(f"{kern:<7} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "
+                  f"{rs[0]['num_stages']:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
+                  f" {max(r['regs'] for r in rs):>5} {sum(r['stack'] > 0 for r in rs):>6} {sum(not r['ok'] for r in rs):>4}"
+                  f"   {programs(kern, 64, 64, 12, 32768)}")
+        bad = [r for r in rows if not r["ok"]]
+        for r in bad:
+            print(f"FAILS: {r}")
+        print(f"build check: {len(rows) - len(bad)} of {len(rows)} launches fit in shared memory and do not spill")
+    return rows
+
+
+if __name__ == "__main__":
+    cfg = configure({"out": "results/build_check.json"})
+    rows = build_check()
+    os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)
+    with open(cfg["out"], "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"saved {cfg['out']}")
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
