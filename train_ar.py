@@ -20,7 +20,8 @@ command (every repeated key labelled; --max_minutes caps each run's wall clock):
     python train_ar.py --token_shift=false --queries=all --seeds=0,1,2 --epochs=200
 On an H200 (117-186 epochs) every attention, softmax too, stalled at ~15% in this model except the
 learned quadratic kernel (88%). With --d_model=64 softmax solves it in 8 epochs on a CPU (99.2%) while
-every linear attention is still at 15% (docs/results.md).
+every linear attention is still at 15%; exp t=2 and Hedgehog leave that plateau after 5,300 and 7,900
+steps (docs/results.md).
 """
 import json
 import math
