@@ -20,7 +20,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
     entropy(weights) -> (B, H, T) row entropies in nats
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
-    MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS)
+    MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS, qk_dim=None)
     Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
 """
 import math
@@ -117,26 +117,33 @@ class MultiHeadAttention(nn.Module):
 
     Separate q, k, v, o projections (convert.py puts LoRA adapters on each). feature_map="softmax"
     uses F.scaled_dot_product_attention; any other name builds feature_maps.make_feature_map(name,
-    head_dim, n_heads, **fmap_kwargs), one set of parameters per head (Hedgehog App. A.2).
+    qk_dim, n_heads, **fmap_kwargs), one set of parameters per head (Hedgehog App. A.2).
+    qk_dim: the head size of q and k (default C / n_heads, the size of v): the feature size F of a
+    map follows from it, so setting it per map is how train_ar.py gives every map the same F.
+    attn_dropout: dropout on softmax's weights while training (linear attention never forms them).
     """
 
-    def __init__(self, d_model, n_heads, feature_map="softmax", causal=True, bias=False, **fmap_kwargs):
+    def __init__(self, d_model, n_heads, feature_map="softmax", causal=True, bias=False, qk_dim=None,
+                 attn_dropout=0.0, **fmap_kwargs):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads, self.head_dim, self.causal = n_heads, d_model // n_heads, causal
-        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(4))
-        self.fmap = None if feature_map == "softmax" else make_feature_map(feature_map, self.head_dim, n_heads, **fmap_kwargs)
+        self.qk_dim, self.attn_dropout = qk_dim or self.head_dim, attn_dropout
+        self.q, self.k = (nn.Linear(d_model, n_heads * self.qk_dim, bias=bias) for _ in range(2))
+        self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(2))
+        self.fmap = None if feature_map == "softmax" else make_feature_map(feature_map, self.qk_dim, n_heads, **fmap_kwargs)
 
     def heads(self, x):
-        """x (B, T, C) -> q, k, v each (B, H, T, D)."""
-        split = lambda y: y.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)
+        """x (B, T, C) -> q, k (B, H, T, qk_dim) and v (B, H, T, D)."""
+        split = lambda y: y.unflatten(-1, (self.n_heads, -1)).transpose(1, 2)
         return split(self.q(x)), split(self.k(x)), split(self.v(x))
 
     def mix(self, q, k, v):
-        """The attention itself on (B, H, T, D) heads -> (B, H, T, D)."""
+        """The attention itself on (B, H, T, .) heads -> (B, H, T, D)."""
         if self.fmap is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            p = self.attn_dropout if self.training else 0.0
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
         qf, kf = self.fmap(q, k)
         return linear_attention(qf, kf, v, causal=self.causal)
 

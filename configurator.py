@@ -2,18 +2,22 @@
 Command-line overrides for the plain config block at the top of each script (the nanoGPT way):
 
     python train_ar.py --epochs=4 --attentions=softmax,hedgehog --device=cpu
+    python train_ar.py config/ar_h3.py --seeds=0,1,2      # a config file, then overrides on top
 
-Each --key=value must name an existing setting; the value is parsed to that setting's type.
+Each --key=value must name an existing setting; the value is parsed to that setting's type. A config
+file is a Python file of `key = value` lines with literal values (numbers, strings, booleans), read
+without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
 pick_device() resolves the scripts' device = "auto"; pyplot() imports matplotlib only when it is there.
 """
+import ast
 import sys
 
 import torch
 
 
 def configure(config, argv=None):
-    """Apply --key=value overrides from argv (default sys.argv[1:]) to the dict `config` in place."""
+    """Apply config files and --key=value overrides from argv (default sys.argv[1:]) to the dict `config` in place."""
     argv = sys.argv[1:] if argv is None else argv
     for arg in argv:
         if arg in ("-h", "--help"):
@@ -21,23 +25,55 @@ def configure(config, argv=None):
             for key, value in config.items():
                 print(f"  --{key}={value}")
             sys.exit(0)
+        if arg.endswith(".py") and not arg.startswith("--"):
+            for key, value in read_config_file(arg):
+                set_value(config, key, value, f"{arg}: {key}")
+            continue
         if not arg.startswith("--") or "=" not in arg:
-            sys.exit(f"error: expected --key=value, got {arg!r} (--help lists the settings)")
+            sys.exit(f"error: expected --key=value or a config file, got {arg!r} (--help lists the settings)")
         key, value = arg[2:].split("=", 1)
-        if key not in config:
-            sys.exit(f"error: unknown setting {key!r}; valid: {', '.join(config)}")
-        old = config[key]
-        try:
-            if isinstance(old, bool):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                new = value.lower() in ("true", "1")
-            else:
-                new = type(old)(value)
-        except ValueError:
-            sys.exit(f"error: --{key} expects a {type(old).__name__}, got {value!r}")
-        config[key] = new
+        set_value(config, key, value, f"--{key}")
     return config
+
+
+def read_config_file(path):
+    """[(key, value), ...] from a file of `key = literal` lines."""
+    try:
+        tree = ast.parse(open(path).read(), path)
+    except (OSError, SyntaxError) as e:
+        sys.exit(f"error: cannot read config file {path}: {e}")
+    pairs = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # a docstring
+            continue
+        try:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                raise ValueError
+            pairs.append((node.targets[0].id, ast.literal_eval(node.value)))
+        except ValueError:
+            sys.exit(f"error: {path}:{node.lineno}: only `key = literal` lines are allowed in a config file")
+    return pairs
+
+
+def set_value(config, key, value, where):
+    """config[key] = value, parsed from a string or checked, to the type of the current value."""
+    if key not in config:
+        sys.exit(f"error: unknown setting {key!r}; valid: {', '.join(config)}")
+    old = config[key]
+    try:
+        if isinstance(old, bool):
+            if str(value).lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            new = str(value).lower() in ("true", "1")
+        elif isinstance(value, str) or (isinstance(old, float) and type(value) is int):
+            new = type(old)(value)
+        elif type(value) is type(old):
+            new = value
+        else:
+            raise ValueError
+    except ValueError:
+        sys.exit(f"error: {where} expects a {type(old).__name__}, got {value!r}")
+    config[key] = new
 
 
 def pick_device(name="auto"):

@@ -94,7 +94,7 @@ def swap(model, fmap_name, layer_ids):
     """Put a fresh feature map behind q, k, v, o of the given layers (their weights are kept)."""
     for i in layer_ids:
         attn = model.blocks[i].attn
-        attn.fmap = make_feature_map(fmap_name, attn.head_dim, attn.n_heads).to(attn.q.weight.device)
+        attn.fmap = make_feature_map(fmap_name, attn.qk_dim, attn.n_heads).to(attn.q.weight.device)
 
 
 def set_oal_groups(model, teacher, idx, layer_ids):

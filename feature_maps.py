@@ -109,14 +109,23 @@ class Relu(FeatureMap):
 
 class Exp(FeatureMap):
     """phi_t(x) = exp(t x) element-wise (Hedgehog Table 2). F = D. t = 1 fails associative recall,
-    t = 2 solves it (Sec. 3.2)."""
+    t = 2 solves it (Sec. 3.2).
 
-    def __init__(self, t=1.0):
+    When q and k come from learned, unnormalised projections, exp(t W x) = exp((t W) x): t only rescales
+    the initialisation and the learning rate of W. normalize=True makes t a temperature: q and k are
+    L2-normalised first, so every element lies in [-1, 1], each kernel term e^(t (q_l + k_l)) in
+    [e^-2t, e^2t], and how peaked a row can be is set by t alone.
+    """
+
+    def __init__(self, t=1.0, normalize=False):
         super().__init__()
-        self.t = t
+        self.t, self.normalize = t, normalize
 
     def forward(self, q, k, offset=0):
-        return stable_exp_qk(self.t * _fp32(q), self.t * _fp32(k))
+        q, k = _fp32(q), _fp32(k)
+        if self.normalize:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return stable_exp_qk(self.t * q, self.t * k)
 
 
 class Performer(FeatureMap):

@@ -1,30 +1,45 @@
 """
 Associative recall: does spiky (low-entropy) attention matter? Every attention side by side.
 
-Hedgehog Sec. 3.2 (Fig. 4, Table 3) and App. B.1: a small Transformer must recall, for a key it has
-seen before in the sequence, the value that followed it. Softmax solves it; prior linear attentions
-(1+ELU, ReLU, Performer, cosFormer) stay low and their attention has high entropy; exp with t=2,
-Taylor and Hedgehog (trained end to end, no distillation) solve it. This script trains each
-attention from scratch on the same data and prints test accuracy, attention entropy, parameters, time.
+Hedgehog Sec. 3.2 (Fig. 2, Fig. 4, Table 3) and App. B.1: a small Transformer must recall, for a key
+it has seen before in the sequence, the value that followed it. The paper: softmax solves it with
+spiky attention (0.5-1.5 nats); 1+ELU, ReLU, Performer and cosFormer stay below 20% with diffuse
+attention; exp with t = 1 fails and t = 2 solves; Taylor and Hedgehog solve it. Each attention here
+is trained from scratch on the same data with the same budget.
 
-    python train_ar.py                                     # every attention, one seed
-    python train_ar.py --attentions=softmax,hedgehog --seeds=0,1,2 --epochs=20
+What the default holds equal, so that the comparison is about spikiness:
+- The feature size F. A linear attention's state (S: F x Dv, z: F) must hold the key-value pairs, so
+  more features is more memory (Zoology, Arora et al. 2023, Fig. 2). Each map gets the q/k head size
+  whose F is closest to `features` (64): 1+ELU, ReLU, exp, T2R at D = 64; Hedgehog and cosFormer
+  (F = 2D) at 32; Performer (F = round(D ln D)) at 21; Taylor and the quadratics (F = 1 + D + D(D+1)/2)
+  at 10, F = 66. v keeps the model width, so every linear state has F x 64 + F numbers a layer.
+  Softmax gets D = F too; its memory is its KV cache, which grows with the sequence.
+- The head that does the lookup. With token shift a value's position already holds its key, so one
+  attention row (the query's) finds the answer by looking at the positions right after earlier copies
+  of the query key; without it, an induction circuit looks at the same positions. The retrieval head
+  is the layer and head whose query row puts the most weight there (target_mass); its entropy is the
+  spikiness that matters, not an average over heads that do other things.
+- Temperature. With learned projections exp(t W x) = exp((t W) x), so exp_t1 and exp_t2 differ only
+  in initial scale. exp_norm_t* L2-normalises q and k first (feature_maps.Exp), which bounds each
+  kernel term to [e^-2t, e^2t]: there t really sets how peaked a row can be.
 
-Writes results/ar.json (with each run's accuracy every eval_every steps) and, with matplotlib,
-results/ar_entropy.png (Fig. 4), results/ar_weights.png (Fig. 2) and results/ar_curves.png (accuracy
-against training steps, the seeds' spread as a band).
+Two data formats: "pairs" (the default; k v k v ... q, the last token the query and the only label,
+with token shift) and "h3", H3's generator as published (safari, src/dataloaders/synthetics.py):
+k v ... => q v, the next token labelled at every training position, only the last in test.
+config/ar_h3.py is that whole published recipe.
 
-The paper's likely set-up (no token shift, dense labels, hundreds of epochs as in H3's synthetic
-recipe) is a GPU run; on a CPU softmax is still at 16% after 4 epochs without the shift. Our closest
-command (every repeated key labelled; --max_minutes caps each run's wall clock):
-    python train_ar.py --token_shift=false --queries=all --seeds=0,1,2 --epochs=200
-On an H200 (117-186 epochs) every attention, softmax too, stalled at ~15% in this model except the
-learned quadratic kernel (88%). With --d_model=64 softmax solves it in 8 epochs on a CPU (99.2%) while
-every linear attention is still at 15%; exp t=2 and Hedgehog leave that plateau after 5,300 and 7,900
-steps (docs/results.md).
+    python train_ar.py                                    # every attention, one seed
+    python train_ar.py --seeds=0,1,2 --attentions=softmax,exp_norm_t1,exp_norm_t2,exp_norm_t4
+    python train_ar.py --features=8,16,32,64,128 --attentions=softmax,elu,exp_t2,hedgehog,taylor \\
+        --seeds=0,1,2 --out_dir=results/ar_capacity      # accuracy against state size
+    python train_ar.py config/ar_h3.py                    # the published recipe (a GPU job in full)
+
+Writes out_dir/ar.json, one record per run, and with matplotlib ar_entropy.png (accuracy against the
+retrieval head's entropy, Fig. 4), ar_lookup.png (the retrieval head's query row on one sequence,
+the answer's positions marked, Fig. 2), ar_curves.png (accuracy against steps) and, when `features`
+sweeps, ar_capacity.png.
 """
 import json
-import math
 import os
 import time
 
@@ -34,55 +49,57 @@ import torch.nn.functional as F
 
 from attention import Block, entropy
 from configurator import configure, pick_device, pyplot
-from feature_maps import FEATURE_MAPS
+from feature_maps import FEATURE_MAPS, make_feature_map
 
-# ---- config: plain values, override with --key=value ----
-vocab_size = 40  # tokens 0..19 are keys, 20..39 values (App. B.1)
-seq_len = 128
+# ---- config: plain values, override with --key=value or a config file ----
+format = "pairs"  # "pairs": k v ... k, one label (Hedgehog App. B.1); "h3": k v ... => k v, every next token (H3)
+vocab_size = 40  # "pairs": 20 keys, 20 values; "h3": counts H3's two special tokens, so 19 keys, 19 values
+seq_len = 128  # "pairs": the whole sequence, 63 pairs and the query; "h3": input_seq_len, 64 pairs, then => k v
 num_train = 10_000
 num_test = 2_000
 n_layer = 2
-d_model = 32
-mlp_ratio = 0  # hidden size of each block's MLP in units of d_model; 0 = attention-only blocks (3x faster)
-n_head = 4  # head dim 8 keeps Taylor/OAL features at 1 + 8 + 36 = 45 (head dim 64 would be 2145)
-queries = "last"  # "last": one query at the end (the paper); "all": every repeated key is a query (Zoology's MQAR)
+d_model = 64
+n_head = 1
+features = "64"  # F per head, the same for every map; comma-separated sweeps it; 0: q/k head size d_model / n_head
+mlp_ratio = 0  # hidden size of each block's MLP in units of d_model; 0 = attention-only blocks
 token_shift = True  # each position also sees the previous token's embedding (see ARModel)
-attentions = "softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal"
-epochs = 3  # at most, the same for every attention: what softmax needs here; stops early at target_acc
+dropout = 0.0  # on the embeddings and on softmax's attention weights
+attentions = ("softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal,"
+              "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8")
+epochs = 3  # at most, the same for every attention; stops early at target_acc or after `patience` epochs
 batch_size = 64
 lr = 3e-3
 weight_decay = 0.1
+warmup = 0.0  # > 0: linear warm-up over this fraction of all steps, then linear decay to 0; 0: constant lr
+patience = 0  # stop after this many epochs without a better accuracy (0: no such stop)
 max_minutes = 0.0  # per run: stop after the epoch in which this much time has passed (0: no limit)
-target_acc = 0.99  # early stopping when the per-epoch accuracy (on the first 500 test sequences) reaches this
+target_acc = 0.99  # stop when the per-epoch accuracy (on the first 500 test sequences) reaches this
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
 seeds = "0"  # comma-separated; more than one reports mean and spread
 device = "auto"  # auto: cuda, then mps, then cpu
-workers = 0  # CPU only: attentions trained in parallel, one thread each; 0 = one per core
+workers = 0  # CPU only: runs in parallel, one thread each; 0 = one per core
 out_dir = "results"
 plots = True
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
 # names in `attentions` that are a feature map with settings
-VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0})}
+VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0}),
+            **{f"exp_norm_t{t}": ("exp", {"t": float(t), "normalize": True}) for t in (1, 2, 4, 8, 16)}}
 
 
-def make_ar_data(n, seq_len=128, vocab_size=40, queries="last", seed=0):
-    """n associative-recall sequences -> (inputs, labels), both (n, seq_len - 1) long tensors.
+def make_ar_data(n, seq_len=128, vocab_size=40, seed=0):
+    """n "pairs" sequences -> (inputs, labels), both (n, seq_len - 1) long tensors (Hedgehog App. B.1).
 
     Half the vocabulary is keys, half values. Each sequence draws its own random key -> value map,
     then (key, value) pairs with keys drawn uniformly: with 20 keys and 63 pairs each key recurs
-    about 3 times. The 128th token is the answer, the value of the final query key.
-    queries="last" (the paper's task, Hedgehog Sec. 3.2 after H3): the last input token is a key
-    drawn from those in context, and it is the only labelled position. queries="all" (Zoology's
-    multi-query variant): every key that appeared before is also a query, labelled with its value.
-    Unlabelled positions are -100. A drawn row, keys as letters (tokens 0-19), values as numbers (20-39):
+    about 3 times. The last input token is a key drawn from those in context, and the only label is
+    its value (the 128th token). Unlabelled positions are -100. Keys as letters, values as numbers:
 
         input    c  27  h  31  c  27  q  22  ...  m  25  h          (127 tokens)
-        "last"   .   .  .   .   .   .  .   .  ...  .   .  31
-        "all"    .   .  .   .  27   .  .   .  ...  .   .  31        (c seen before: its value)
+        label    .   .  .   .   .   .  .   .  ...  .   .  31
 
-    Chance is 1/20 on the labelled positions, a loss of ln 20 = 3.0.
+    Chance is 1/20, a loss of ln 20 = 3.0.
     """
     g = torch.Generator().manual_seed(seed)
     n_keys, pairs = vocab_size // 2, (seq_len - 1) // 2
@@ -93,26 +110,60 @@ def make_ar_data(n, seq_len=128, vocab_size=40, queries="last", seed=0):
     inputs = torch.cat([torch.stack([keys, values], dim=-1).flatten(1), query], dim=1)  # (n, 2P + 1): k v k v ... q
     labels = torch.full_like(inputs, -100)
     labels[:, -1] = torch.gather(table, 1, query)[:, 0]
-    if queries == "all":
-        seen = (keys[:, :, None] == keys[:, None, :]).tril(-1).any(-1)  # (n, P): key p appeared before p
-        labels[:, 0:-1:2] = torch.where(seen, values, -100)
-    elif queries != "last":
-        raise ValueError(f"queries must be 'last' or 'all', got {queries!r}")
+    return inputs, labels
+
+
+def make_h3_data(n, seq_len=128, vocab_size=40, seed=0, train=True):
+    """n "h3" sequences -> (inputs, labels), both (n, seq_len + 2) long tensors: H3's associative recall
+    as published (safari: src/dataloaders/synthetics.py, generate_assoc_recall and ICLDataModule).
+
+    vocab_size counts two special tokens, the copy prefix "=>" (id vocab_size - 2) and a no-op
+    (vocab_size - 1, never drawn), so there are (vocab_size - 2) / 2 keys and as many values. A sequence
+    is seq_len // 2 (key, value) pairs from its own random map, then => q v with q a key in context
+    (drawn uniformly from all keys, redrawn from those present if absent). Inputs are the tokens but
+    the last, labels the tokens but the first: in training every position is labelled with its next
+    token (keys are random, so only values and the query's answer can be learned), in test only the
+    last (the answer). Every sequence is unique, as in the published code.
+
+        input    c  27  h  31  c  27  ...  m  25  =>  h
+        train   27   h 31   c 27   q  ...  25  =>   h  31
+        test     .   .  .   .  .   .  ...   .   .   .  31
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_keys, pairs = (vocab_size - 2) // 2, seq_len // 2
+    copy_prefix = vocab_size - 2
+    rows = torch.empty(0, 2 * pairs + 3, dtype=torch.long)
+    while len(rows) < n:
+        m = n - len(rows)
+        keys = torch.randint(0, n_keys, (m, pairs), generator=g)  # (m, P)
+        table = torch.randint(n_keys, 2 * n_keys, (m, n_keys), generator=g)  # (m, n_keys)
+        present = F.one_hot(keys, n_keys).any(1)  # (m, n_keys)
+        query = torch.randint(0, n_keys, (m,), generator=g)
+        redraw = torch.where(present, torch.rand(m, n_keys, generator=g), -1.0).argmax(-1)  # uniform over present keys
+        query = torch.where(present[torch.arange(m), query], query, redraw)[:, None]  # (m, 1)
+        seq = torch.cat([torch.stack([keys, torch.gather(table, 1, keys)], -1).flatten(1),
+                         torch.full_like(query, copy_prefix), query, torch.gather(table, 1, query)], dim=1)
+        rows = torch.cat([rows, seq]).unique(dim=0)  # unique examples (sorted: shuffled below)
+    rows = rows[torch.randperm(len(rows), generator=g)[:n]]
+    inputs, labels = rows[:, :-1], rows[:, 1:].clone()
+    if not train:
+        labels[:, :-1] = -100
     return inputs, labels
 
 
 class ARModel(nn.Module):
     """Token + learned position embeddings, n_layer blocks, a linear head.
 
-    With token_shift, position t also adds an embedding of token t-1 (what zoology's short convolution
-    gives its models). Then a value's position already knows its key, and one attention lookup
-    (query: the current key; match: the earlier position whose previous token is that key) solves
-    the task. Without it the model must first learn to copy the previous token with attention, and
-    softmax sat at chance for over ten epochs in our runs.
+    With token_shift, position t also adds an embedding of token t-1 (what Zoology's short convolution
+    gives its models; the pre-Based linear attentions had none). Then a value's position already
+    knows its key, and one attention lookup (query: the current key; match: the positions right after
+    earlier copies of it) solves the task. Without it the model must first learn to copy the previous
+    token with attention. qk_dim is the q/k head size (see MultiHeadAttention); dropout applies to the
+    embeddings and to softmax's weights.
     """
 
-    def __init__(self, attention="softmax", vocab_size=40, seq_len=128, n_layer=2, d_model=32, n_head=4,
-                 mlp_ratio=0, token_shift=True, **fmap_kwargs):
+    def __init__(self, attention="softmax", vocab_size=40, seq_len=127, n_layer=2, d_model=64, n_head=1,
+                 mlp_ratio=0, token_shift=True, qk_dim=None, dropout=0.0, **fmap_kwargs):
         super().__init__()
         if attention == "cosformer":
             fmap_kwargs.setdefault("max_len", seq_len)  # a fixed M, as in the GPT (any length up to seq_len works)
@@ -120,7 +171,9 @@ class ARModel(nn.Module):
         self.tok = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size + 1, d_model) if token_shift else None  # index vocab_size: no previous token
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, mlp_ratio, **fmap_kwargs) for _ in range(n_layer))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, mlp_ratio, qk_dim=qk_dim, attn_dropout=dropout,
+                                          **fmap_kwargs) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
@@ -129,7 +182,7 @@ class ARModel(nn.Module):
         if self.token_shift:
             prev = F.pad(idx[:, :-1], (1, 0), value=self.prev.num_embeddings - 1)  # (B, T): token t-1
             x = x + self.prev(prev)
-        return x
+        return self.drop(x)
 
     def forward(self, idx, return_weights=False):
         x = self.embed(idx)
@@ -142,16 +195,50 @@ class ARModel(nn.Module):
         return (logits, weights) if return_weights else logits
 
 
-def query_entropy(weights, labels):
-    """Mean entropy in nats of the attention rows at the labelled (query) positions, over batch and heads.
-    Only those rows do the recall; the others are free to be anything."""
-    rows = entropy(weights)  # (B, H, T)
-    mask = (labels != -100)[:, None, :].expand_as(rows)
-    return rows[mask].mean().item()
+def feature_size(name, qk_dim, kw):
+    """F, the features per head of map `name` at q/k head size qk_dim (softmax: qk_dim)."""
+    if name == "softmax":
+        return qk_dim
+    x = torch.zeros(1, 1, 1, qk_dim)
+    return make_feature_map(name, qk_dim, **kw)(x, x)[0].shape[-1]
+
+
+def qk_dim_for(name, kw, features):
+    """The q/k head size (>= 2) whose feature size is closest to `features`; the larger one on a tie."""
+    return min(range(features, 1, -1), key=lambda d: abs(feature_size(name, d, kw) - features))
+
+
+def state_size(name, F, qk_dim, n_head, d_model, T):
+    """Numbers a layer keeps to attend at position T: linear attention's S (F x Dv) and z (F) per head;
+    softmax's KV cache (T keys of qk_dim and T values of Dv per head)."""
+    dv = d_model // n_head
+    return n_head * (T * (qk_dim + dv) if name == "softmax" else F * dv + F)
+
+
+def answer_positions(x):
+    """(N, T) bool: the positions that hold the answer to each sequence's query (its last token): a value
+    right after an earlier copy of the query key. Those are where the lookup lands."""
+    target = torch.zeros_like(x, dtype=torch.bool)
+    target[:, 1:] = x[:, :-1] == x[:, -1:]
+    return target
+
+
+@torch.no_grad()
+def lookup_stats(model, x):
+    """Where each layer and head looks from the query (the last position) of sequences x (N, T).
+    Returns target_mass (L, H), the mean weight on answer_positions; entropy (L, H), the mean entropy
+    of the query row in nats; rows (L, H, N, T), the query rows."""
+    model.eval()
+    _, weights = model(x, return_weights=True)  # L x (N, H, T, T)
+    model.train()
+    rows = torch.stack([w[:, :, -1] for w in weights]).transpose(1, 2).float().cpu()  # (L, H, N, T)
+    mass = (rows * answer_positions(x).cpu()).sum(-1).mean(-1)  # (L, H)
+    return mass, entropy(rows).mean(-1), rows
 
 
 @torch.inference_mode()
 def evaluate(model, inputs, labels, batch=500):
+    """Accuracy on the labelled positions (the last one in test)."""
     model.eval()
     correct = total = 0
     for i in range(0, len(inputs), batch):
@@ -164,17 +251,23 @@ def evaluate(model, inputs, labels, batch=500):
     return correct / total
 
 
-def train_one(attention, seed, data, cfg, dev):
-    """Train one attention from scratch; returns its record (and the model, for the figures)."""
+def train_one(attention, features, seed, data, cfg, dev):
+    """Train one attention from scratch at `features` features per head; returns its record."""
     name, kw = VARIANTS.get(attention, (attention, {}))
-    torch.manual_seed(seed)
-    model = ARModel(name, cfg["vocab_size"], cfg["seq_len"], cfg["n_layer"], cfg["d_model"], cfg["n_head"],
-                    cfg["mlp_ratio"], cfg["token_shift"], **kw).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     x_train, y_train, x_test, y_test = (t.to(dev) for t in data)
+    T = x_train.shape[1]
+    qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
+    torch.manual_seed(seed)
+    model = ARModel(name, cfg["vocab_size"], T, cfg["n_layer"], cfg["d_model"], cfg["n_head"], cfg["mlp_ratio"],
+                    cfg["token_shift"], qk_dim, cfg["dropout"], **kw).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    per_step = -(-len(x_train) // cfg["batch_size"])
+    total_steps, warm = cfg["epochs"] * per_step, int(cfg["warmup"] * cfg["epochs"] * per_step)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
+                                                 min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
-    per_epoch = []
-    t0, acc, epoch, step, curve = time.time(), 0.0, 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500]))]
+    per_epoch, best, since_best = [], 0.0, 0
+    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500]))]
     for epoch in range(1, cfg["epochs"] + 1):
         total = 0.0
         perm = torch.randperm(len(x_train), generator=g)
@@ -185,6 +278,7 @@ def train_one(attention, seed, data, cfg, dev):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            schedule.step()
             total += loss.item() * len(idx)
             step += 1
             if step % cfg["eval_every"] == 0:
@@ -193,21 +287,26 @@ def train_one(attention, seed, data, cfg, dev):
             regroup_oal(model, x_train[:256])
         acc = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
         per_epoch.append(acc)
-        print(f"{attention} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
+        best, since_best = (acc, 0) if acc > best else (best, since_best + 1)
+        print(f"{attention} F={features} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
               f"test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
-        if acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0:
+        if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
+                or 0 < cfg["patience"] <= since_best):
             break
-    acc = evaluate(model, x_test, y_test)  # the reported accuracy: all test sequences
     seconds = time.time() - t0
-    with torch.no_grad():
-        model.eval()
-        _, weights = model(x_test[:100], return_weights=True)
-    ent = [query_entropy(w, y_test[:100]) for w in weights]
-    record = {"attention": attention, "seed": seed, "test_acc": acc, "entropy": sum(ent) / len(ent),
-              "entropy_per_layer": ent, "params": sum(p.numel() for p in model.parameters()),
-              "epochs": epoch, "test_acc_per_epoch": per_epoch, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
-              "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
-    return record, model
+    mass, ent, rows = lookup_stats(model, x_test[:200])
+    layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
+    F_ = feature_size(name, qk_dim, kw)
+    return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test),
+            "features": F_, "features_asked": features, "qk_dim": qk_dim,
+            "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
+            "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),
+            "retrieval_layer": layer, "retrieval_head": head,
+            "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(),
+            "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
+            "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step,
+            "test_acc_per_epoch": per_epoch, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
+            "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
 
 
 def steps_to(curve, level):
@@ -228,37 +327,71 @@ def regroup_oal(model, x):
 
 
 def summarize(records):
-    """One row per attention: mean and, with several seeds, the standard deviation; steps to 50% and 90%
-    test accuracy as the mean over the seeds that got there, with how many did."""
+    """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
+    as the mean over the seeds that got there, with how many did."""
     rows = {}
     for r in records:
-        rows.setdefault(r["attention"], []).append(r)
-    lines = [f"{'attention':<12} {'test acc':>14} {'entropy (nats)':>16} {'per layer':>16} {'params':>8} {'seconds':>8}"
-             f" {'steps to 50%':>13} {'steps to 90%':>13}"]
-    for name, rs in rows.items():
+        rows.setdefault((r["attention"], r["features"]), []).append(r)
+    lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'test acc':>14} {'retr. entropy':>13} "
+             f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'seconds':>7}"]
+    for (name, F_), rs in rows.items():
         def ms(key, fmt):
             vals = torch.tensor([float(r[key]) for r in rs])
             return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
 
-        def steps(key):
-            got = [r[key] for r in rs if r[key] is not None]
-            return f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
-
-        layers = torch.tensor([r["entropy_per_layer"] for r in rs]).mean(0)
-        lines.append(f"{name:<12} {ms('test_acc', '{:.3f}'):>14} {ms('entropy', '{:.2f}'):>16} "
-                     f"{' '.join(f'{e:.2f}' for e in layers):>16} {rs[0]['params']:>8} {ms('seconds', '{:.0f}'):>8}"
-                     f" {steps('steps_to_50'):>13} {steps('steps_to_90'):>13}")
+        got = [r["steps_to_50"] for r in rs if r["steps_to_50"] is not None]
+        steps = f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
+        heads = ",".join(sorted({f"{r['retrieval_layer']}.{r['retrieval_head']}" for r in rs}))
+        lines.append(f"{name:<12} {F_:>4} {rs[0]['qk_dim']:>3} {rs[0]['state_size']:>6} {ms('test_acc', '{:.3f}'):>14} "
+                     f"{ms('retrieval_entropy', '{:.2f}'):>13} {ms('target_mass', '{:.2f}'):>13} {heads:>4} "
+                     f"{steps:>13} {ms('seconds', '{:.0f}'):>7}")
     return "\n".join(lines)
 
 
-def plot_curves(records, out_dir):
-    """Accuracy against training steps for every attention: the mean over seeds, the band from min to max."""
-    plt = pyplot()
-    if plt is None:
-        return
+def names_in(records):
+    return list(dict.fromkeys(r["attention"] for r in records))
+
+
+def plot_entropy(plt, records, out_dir):
+    """Hedgehog Fig. 4: test accuracy against the retrieval head's entropy, one point per run."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for j, name in enumerate(names_in(records)):
+        rs = [r for r in records if r["attention"] == name]
+        ax.scatter([r["retrieval_entropy"] for r in rs], [r["test_acc"] for r in rs], color=f"C{j % 10}",
+                   marker="o" if j < 10 else "s", label=name)
+    ax.set(xlabel="entropy of the retrieval head's query row (nats)", ylabel="test accuracy",
+           title="Associative recall: accuracy vs spikiness (cf. Hedgehog Fig. 4)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_entropy.png"), dpi=120)
+
+
+def plot_lookup(plt, records, out_dir):
+    """Hedgehog Fig. 2: each map's retrieval-head query row on the first test sequence, answers marked."""
+    first = [next(r for r in records if r["attention"] == name) for name in names_in(records)]
+    fig, axes = plt.subplots(len(first), 1, figsize=(8, 0.9 * len(first) + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], first):
+        row = r["query_row"]
+        ax.bar(range(len(row)), row, width=1.0, color="C0")
+        for p in r["answer_positions"]:
+            ax.axvspan(p - 0.5, p + 0.5, color="C3", alpha=0.3, lw=0)
+        ax.set_ylim(0, max(max(row), 1e-3) * 1.1)
+        ax.set_yticks([])
+        ax.set_ylabel(r["attention"], rotation=0, ha="right", va="center", fontsize=8)
+        ax.text(1.0, 0.5, f" acc {r['test_acc']:.2f}\n mass {r['target_mass']:.2f}\n H {r['retrieval_entropy']:.2f}",
+                transform=ax.transAxes, fontsize=7, va="center")
+    axes[-1, 0].set_xlabel("position attended from the query (red: the answer's positions)")
+    fig.suptitle("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_lookup.png"), dpi=120)
+
+
+def plot_curves(plt, records, out_dir):
+    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max."""
+    F0 = records[0]["features_asked"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for j, name in enumerate(dict.fromkeys(r["attention"] for r in records)):
-        curves = [r["curve"] for r in records if r["attention"] == name]
+    for j, name in enumerate(names_in(records)):
+        curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
         n = min(len(c) for c in curves)  # early stopping can end some seeds sooner
         steps = [s for s, _ in curves[0][:n]]
         accs = torch.tensor([[a for _, a in c[:n]] for c in curves])  # (seeds, n)
@@ -270,65 +403,58 @@ def plot_curves(records, out_dir):
     fig.savefig(os.path.join(out_dir, "ar_curves.png"), dpi=120)
 
 
-def plot(records, models, x, out_dir):
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in records:
-        ax.scatter(r["entropy"], r["test_acc"])
-        ax.annotate(r["attention"], (r["entropy"], r["test_acc"]), fontsize=7)
-    ax.set_xlabel("attention entropy (nats)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title("Associative recall: accuracy vs entropy (cf. Hedgehog Fig. 4)")
+def plot_capacity(plt, records, out_dir):
+    """Zoology Fig. 2: accuracy against the state size of one layer, mean over seeds and min-max bars."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for j, name in enumerate(names_in(records)):
+        points = {}
+        for r in records:
+            if r["attention"] == name:
+                points.setdefault(r["state_size"], []).append(r["test_acc"])
+        x = sorted(points)
+        acc = [torch.tensor(points[s]) for s in x]
+        mean = [a.mean().item() for a in acc]
+        err = [[m - a.min().item() for m, a in zip(mean, acc)], [a.max().item() - m for m, a in zip(mean, acc)]]
+        ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, color=f"C{j % 10}", label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="state size of one layer (numbers; softmax: its KV cache)", ylabel="test accuracy",
+           title="Associative recall: accuracy vs memory (cf. Zoology Fig. 2)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_entropy.png"), dpi=120)
-    cols = min(4, len(models))
-    rows = math.ceil(len(models) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
-    for ax, (name, model) in zip(axes.flat, models.items()):
-        with torch.no_grad():
-            _, weights = model(x[:1], return_weights=True)
-        w = torch.stack([wl[0] for wl in weights])  # (L, H, T, T)
-        last = w[:, :, -1]  # the query row of each layer and head
-        layer, head = divmod(entropy(last).argmin().item(), w.shape[1])
-        ax.imshow(w[layer, head].cpu() ** 0.5, cmap="viridis")  # sqrt to show small weights
-        ax.set_title(f"{name} (layer {layer}, head {head})", fontsize=9)
-        ax.axis("off")
-    for ax in list(axes.flat)[len(models):]:
-        ax.axis("off")
-    fig.suptitle("Attention weights of the most focused head (lowest entropy at the query), one test sequence (cf. Hedgehog Fig. 2)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_weights.png"), dpi=120)
-    print(f"figures: {out_dir}/ar_entropy.png, {out_dir}/ar_weights.png, {out_dir}/ar_curves.png")
+    fig.savefig(os.path.join(out_dir, "ar_capacity.png"), dpi=120)
+
+
+def make_data(cfg):
+    """(x_train, y_train, x_test, y_test) in the configured format."""
+    n, v = cfg["seq_len"], cfg["vocab_size"]
+    if cfg["format"] == "pairs":
+        return (*make_ar_data(cfg["num_train"], n, v, seed=1234), *make_ar_data(cfg["num_test"], n, v, seed=5678))
+    if cfg["format"] == "h3":
+        return (*make_h3_data(cfg["num_train"], n, v, seed=1234, train=True),
+                *make_h3_data(cfg["num_test"], n, v, seed=5678, train=False))
+    raise SystemExit(f"error: unknown format {cfg['format']!r}; valid: pairs, h3")
 
 
 def main(cfg):
-    dev = pick_device(cfg["device"])
-    print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
-    x_train, y_train = make_ar_data(cfg["num_train"], cfg["seq_len"], cfg["vocab_size"], cfg["queries"], seed=1234)
-    x_test, y_test = make_ar_data(cfg["num_test"], cfg["seq_len"], cfg["vocab_size"], cfg["queries"], seed=5678)
-    data = (x_train, y_train, x_test, y_test)
     names = [a for a in cfg["attentions"].split(",") if a]
     valid = ["softmax", *FEATURE_MAPS, *VARIANTS]
     unknown = [a for a in names if a not in valid]
     if unknown:
         raise SystemExit(f"error: unknown attention {unknown}; valid: {', '.join(valid)}")
+    dev = pick_device(cfg["device"])
+    print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
+    data = make_data(cfg)
     seeds = [int(s) for s in cfg["seeds"].split(",") if s]
-    jobs = [(name, seed, data, cfg, dev) for name in names for seed in seeds]
+    sizes = [int(f) for f in cfg["features"].split(",") if f]
+    jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
     workers = 1 if dev != "cpu" else min(len(jobs), cfg["workers"] or os.cpu_count() or 1)
     if workers > 1:  # small models use cores better as separate one-thread processes than as threads
         print(f"training {len(jobs)} runs in {workers} processes of one thread each")
         with torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,)) as pool:
-            outputs = pool.starmap(train_one, jobs, chunksize=1)
+            records = pool.starmap(train_one, jobs, chunksize=1)
     else:
-        outputs = [train_one(*job) for job in jobs]
-    records = [record for record, _ in outputs]
-    models = {}
-    for record, model in outputs:
-        models.setdefault(record["attention"], model)
-    table = summarize(records)
-    print("\n" + table)
+        records = [train_one(*job) for job in jobs]
+    print("\n" + summarize(records))
     os.makedirs(cfg["out_dir"], exist_ok=True)
     path = os.path.join(cfg["out_dir"], "ar.json")
     for r in records:
@@ -336,9 +462,14 @@ def main(cfg):
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
     print(f"saved {path}")
-    if cfg["plots"]:
-        plot(records, models, x_test.to(dev), cfg["out_dir"])
-        plot_curves(records, cfg["out_dir"])
+    plt = pyplot() if cfg["plots"] else None
+    if plt is not None:
+        plot_entropy(plt, records, cfg["out_dir"])
+        plot_lookup(plt, records, cfg["out_dir"])
+        plot_curves(plt, records, cfg["out_dir"])
+        if len(sizes) > 1:
+            plot_capacity(plt, records, cfg["out_dir"])
+        print(f"figures: {cfg['out_dir']}/ar_*.png")
     return records
 
 
