@@ -6,10 +6,11 @@ Linear attention (Hedgehog Sec. 2, OAL Sec. 2), with features qf = phi_q(q), kf 
 
     y_i = qf_i^T S_i / (qf_i^T z_i + eps),   S_i = sum_{j<=i} kf_j v_j^T  (F x Dv),   z_i = sum_{j<=i} kf_j  (F)
 
-computed four ways that must agree (test_all.py checks each against a float64 loop):
+computed five ways that must agree (test_all.py checks each against a float64 loop):
     linear_attention_quadratic   materialise A = (qf kf^T) * mask, normalise rows: O(T^2), the weights are visible
     linear_attention_cumsum      running sums of outer products kf_j v_j^T: O(T F Dv) memory, readable, slow
-    linear_attention             causal: the chunked kernel (kernel.py, Triton or PyTorch); bidirectional: closed form
+    linear_attention_chunked     the chunked algorithm written plainly: quadratic inside a chunk, state across
+    linear_attention             causal: the same algorithm, fast (kernel.py, Triton or PyTorch); bidirectional: closed form
     linear_attention_step        one token at a time with an (S, z) state of size F x Dv: generation
 The eps keeps the denominator away from 0 when a map (ReLU) gives a row of zero weights.
 States and sums are float32 whatever the input dtype.
@@ -19,6 +20,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto")
     attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
     entropy(weights) -> (B, H, T) row entropies in nats
+    linear_attention_chunked(qf, kf, v, chunk=64)
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
     MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS, qk_dim=None)
     Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
@@ -85,6 +87,35 @@ def linear_attention_cumsum(qf, kf, v, eps=1e-6):
     num = (qf.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, T, Dv)
     den = (qf * z).sum(-1, keepdim=True) + eps  # (B, H, T, 1)
     return (num / den).to(v.dtype)
+
+
+def linear_attention_chunked(qf, kf, v, chunk=64, eps=1e-6):
+    """Causal linear attention by chunks, written to be read; kernel.py runs the same algorithm fast.
+
+    Cut time into chunks of C tokens. A query sees two things: the earlier tokens of its own chunk,
+    through the masked C x C block of kernel values (intra), and every earlier chunk, through the running
+    state S = sum kf_j v_j^T, z = sum kf_j (inter). Then
+
+        y = (intra @ v + qf @ S) / (intra.sum(-1) + qf @ z + eps)
+
+    O(T C F) work, an F x Dv state between chunks, and autograd does the backward.
+    """
+    qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
+    B, H, T, F_ = qf.shape
+    S = qf.new_zeros(B, H, F_, vf.shape[-1])  # sum of kf_j v_j^T over the chunks done
+    z = qf.new_zeros(B, H, F_, 1)  # sum of kf_j
+    mask = causal_mask(chunk, qf.device)
+    ys = []
+    for start in range(0, T, chunk):
+        q, k, v_c = qf[:, :, start:start + chunk], kf[:, :, start:start + chunk], vf[:, :, start:start + chunk]
+        C = q.shape[2]  # the last chunk can be shorter
+        intra = (q @ k.transpose(-1, -2)) * mask[:C, :C]  # (B, H, C, C): within the chunk, j <= i
+        num = intra @ v_c + q @ S  # (B, H, C, Dv)
+        den = intra.sum(-1, keepdim=True) + q @ z + eps  # (B, H, C, 1)
+        ys.append(num / den)
+        S = S + k.transpose(-1, -2) @ v_c  # the state after this chunk
+        z = z + k.sum(2).unsqueeze(-1)
+    return torch.cat(ys, dim=2).to(v.dtype)
 
 
 def linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto"):

@@ -15,8 +15,8 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
-Reads the softmax checkpoint of train_gpt.py (out/softmax/ckpt.pt; trains one first if that default is
-missing; a --ckpt that does not exist is an error), its data and tokenizer from its config, or
+Reads the softmax checkpoint of train_gpt.py (out/softmax/ckpt.pt: run python train_gpt.py first), its
+data and tokenizer from its config, or
 with --init=gpt2 (any GPT-2 name) pretrained GPT-2 through transformers, with --data tokenised by
 GPT-2's own tokenizer (the last 10% is validation),
 prints validation perplexity after each stage and attention fidelity (KL, entropy, monotonicity,
@@ -36,10 +36,10 @@ import distill
 from attention import attention_weights, entropy
 from configurator import configure, pick_device, pyplot
 from feature_maps import make_feature_map
-from gpt import GPT, evaluate, get_batch, load_text, prepare
+from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
-ckpt = "out/softmax/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT; trained first if this default is missing
+ckpt = "out/softmax/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
 init = "ckpt"  # "ckpt", or a pretrained GPT-2 name for transformers: "gpt2", "gpt2-medium", ...
 data = "pydoc"  # with --init=gpt2*: "pydoc", "wikitext103" (downloads) or a .txt file
 methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
@@ -186,14 +186,8 @@ def load_teacher(cfg, dev):
         n = int(0.9 * len(ids))
         return model.to(dev), ids[:n], ids[n:]
     if not os.path.exists(cfg["ckpt"]):
-        if cfg["ckpt"] != ckpt:  # given explicitly (the module-level default is never overridden)
-            raise SystemExit(f"error: no checkpoint at {cfg['ckpt']}")
-        print(f"no checkpoint at {cfg['ckpt']}: training the softmax teacher first (python train_gpt.py)")
-        import train_gpt
-        train_gpt.main(dict(train_gpt.config, out_dir=os.path.dirname(cfg["ckpt"])))
-    ck = torch.load(cfg["ckpt"], map_location=dev, weights_only=False)
-    if not isinstance(ck, dict) or ck.get("kind") != "train_gpt" or ck["model_args"]["attention"] != "softmax":
-        raise SystemExit(f"error: {cfg['ckpt']} is not a train_gpt.py checkpoint of a softmax GPT")
+        raise SystemExit(f"error: no checkpoint at {cfg['ckpt']}; train the softmax teacher first: python train_gpt.py")
+    ck = load_checkpoint(cfg["ckpt"], dev, attention="softmax")
     model = GPT(**ck["model_args"]).to(dev)
     model.load_state_dict(ck["model"])
     tokenizer = ck["config"].get("tokenizer", "cl100k_base")

@@ -11,9 +11,8 @@ depend on T at all. This script measures both.
 
 Part 1, one attention layer (12 heads, head dim 64, d_model 768; Hedgehog's F = 128): the time of
 MultiHeadAttention.step for one new token given a context of T tokens already in the cache or state, and
-the bytes of that cache or state. Part 2, the GPT of train_gpt.py (out/<attention>/ckpt.pt when it
-exists, else the same shape freshly initialised; weights do not change the time): ms per generated token
-over its whole context (128 tokens by default). Saves results/decode.json and results/decode.png.
+the bytes of that cache or state. Part 2, the GPT of train_gpt.py (out/<attention>/ckpt.pt, skipped
+for an attention without one): ms per generated token over its whole context (128 tokens by default). Saves results/decode.json and results/decode.png.
 """
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 
 from attention import MultiHeadAttention
 from configurator import configure, pick_device, pyplot
+from gpt import GPT, load_checkpoint
 
 # ---- config: plain values, override with --key=value ----
 attentions = "softmax,hedgehog"  # softmax and any feature map names
@@ -80,18 +80,13 @@ def time_layer(name, T, cfg, dev):
 
 @torch.no_grad()
 def time_gpt(name, cfg, dev):
-    """ms per token of GPT.generate with the train_gpt.py checkpoint (or a fresh model of its shape)."""
-    import train_gpt
-    from gpt import GPT
+    """ms per token of GPT.generate with the train_gpt.py checkpoint out/<name>/ckpt.pt; None without one."""
     path = os.path.join("out", name, "ckpt.pt")
-    if os.path.exists(path):
-        ck = train_gpt.load_checkpoint(path, dev)
-        model, source = GPT(**ck["model_args"]).to(dev), path
-        model.load_state_dict(ck["model"])
-    else:
-        c = train_gpt.config
-        model = GPT(6169, c["block_size"], c["n_layer"], c["n_head"], c["d_model"], attention=name).to(dev)
-        source = "untrained, train_gpt.py's default shape"
+    if not os.path.exists(path):
+        return None
+    ck = load_checkpoint(path, dev, attention=name)
+    model = GPT(**ck["model_args"]).to(dev)
+    model.load_state_dict(ck["model"])
     model.eval()
     n = min(cfg["gpt_tokens"], model.block_size)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=dev)
@@ -100,7 +95,7 @@ def time_gpt(name, cfg, dev):
     t0 = time.perf_counter()
     model.generate(prompt, n)
     sync(dev)
-    return (time.perf_counter() - t0) / n, source, n
+    return (time.perf_counter() - t0) / n, path, n
 
 
 def main(cfg):
@@ -136,7 +131,11 @@ def main(cfg):
             print(f"{name} is faster than softmax from a context of {faster[0] if faster else 'none of these'} tokens")
     print(f"\npart 2: the GPT of train_gpt.py, generating token by token")
     for name in names:
-        sec, source, n = time_gpt(name, cfg, dev)
+        timed = time_gpt(name, cfg, dev)
+        if timed is None:
+            print(f"{name:<10} skipped: no out/{name}/ckpt.pt (python train_gpt.py --attention={name} writes it)")
+            continue
+        sec, source, n = timed
         records.append({"part": "gpt", "attention": name, "context": n, "ms_per_token": sec * 1e3, "model": source, "device": where})
         print(f"{name:<10} {sec * 1e3:.3f} ms per token over {n} tokens ({source})")
     os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)

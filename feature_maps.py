@@ -72,7 +72,11 @@ def stable_exp_qk(yq, yk, max_exponent=60.0):
 
 
 class FeatureMap(nn.Module):
-    """A symmetric map: the same phi on both sides. Subclasses define phi (or override forward)."""
+    """A symmetric map: the same phi on both sides. Subclasses define phi (or override forward).
+    Every map is built as Map(head_dim, num_heads, **options); maps without per-head parameters ignore both."""
+
+    def __init__(self, head_dim, num_heads=1):
+        super().__init__()
 
     def forward(self, q, k, offset=0):
         return self.phi(_fp32(q)), self.phi(_fp32(k))
@@ -117,8 +121,8 @@ class Exp(FeatureMap):
     [e^-2t, e^2t], and how peaked a row can be is set by t alone.
     """
 
-    def __init__(self, t=1.0, normalize=False):
-        super().__init__()
+    def __init__(self, head_dim, num_heads=1, t=1.0, normalize=False):
+        super().__init__(head_dim, num_heads)
         self.t, self.normalize = t, normalize
 
     def forward(self, q, k, offset=0):
@@ -141,7 +145,7 @@ class Performer(FeatureMap):
     """
 
     def __init__(self, head_dim, num_heads=1, num_features=None):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         self.D, self.H = head_dim, num_heads
         self.m = num_features or round(head_dim * math.log(head_dim))
         self.register_buffer("W", self.draw())
@@ -174,8 +178,8 @@ class CosFormer(FeatureMap):
     token at a time needs max_len, since the final length is not known yet.
     """
 
-    def __init__(self, max_len=None):
-        super().__init__()
+    def __init__(self, head_dim, num_heads=1, max_len=None):
+        super().__init__(head_dim, num_heads)
         self.max_len = max_len
 
     def forward(self, q, k, offset=0):
@@ -201,8 +205,8 @@ class Taylor(FeatureMap):
     Always positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2.
     """
 
-    def __init__(self, head_dim):
-        super().__init__()
+    def __init__(self, head_dim, num_heads=1):
+        super().__init__(head_dim, num_heads)
         self.D = head_dim
 
     def phi(self, x):
@@ -219,7 +223,7 @@ class T2R(FeatureMap):
     initialisation. With the Hedgehog distillation loss it becomes the paper's "T2R-HH". F = D."""
 
     def __init__(self, head_dim, num_heads=1):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         bound = 1 / math.sqrt(head_dim)
         self.W = nn.Parameter(torch.empty(num_heads, head_dim, head_dim).uniform_(-bound, bound))
         self.b = nn.Parameter(torch.empty(num_heads, 1, head_dim).uniform_(-bound, bound))
@@ -245,7 +249,7 @@ class Hedgehog(FeatureMap):
     """
 
     def __init__(self, head_dim, num_heads=1, mode="softmax"):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         if mode not in ("softmax", "softmax_halves", "exp"):
             raise ValueError(f"hedgehog: mode must be 'softmax', 'softmax_halves' or 'exp', got {mode!r}")
         self.mode = mode
@@ -276,7 +280,7 @@ class TaylorShift(FeatureMap):
     """
 
     def __init__(self, head_dim, num_heads=1):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         self.tau = nn.Parameter(torch.ones(num_heads, 1, 1))
 
     def forward(self, q, k, offset=0):
@@ -295,7 +299,7 @@ class DiJiang(FeatureMap):
     as log w (init 0, so w = 1). F = D."""
 
     def __init__(self, head_dim, num_heads=1):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         D = head_dim
         n, i = torch.arange(D, dtype=torch.float64)[:, None], torch.arange(D, dtype=torch.float64)[None, :]
         C = torch.cos(math.pi * (n + 0.5) * i / D) * math.sqrt(2 / D)  # C[n, i], orthonormal DCT-II
@@ -329,7 +333,7 @@ class OAL(FeatureMap):
     """
 
     def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
-        super().__init__()
+        super().__init__(head_dim, num_heads)
         self.D, self.G, self.eps = head_dim, max_groups, eps
         L = torch.zeros(num_heads, max_groups + 1, max_groups + 1)
         L[:, 0, 0] = 1.0
@@ -469,23 +473,23 @@ def find_groups(scores, min_ratio=1.5, min_support=0.9, max_cuts=4, budget=None,
 
 # ----------------------------------------------------------------------------------------------
 
+class Quadratic(OAL):
+    """The learned global quadratic kernel a + b s + c s^2 = eps + ||[1, s] L||^2 (OAL Sec. 2, App. D): OAL with one group."""
+
+    def __init__(self, head_dim, num_heads=1, eps=1e-6):
+        super().__init__(head_dim, num_heads, max_groups=1, eps=eps)
+
+
 FEATURE_MAPS = {
     "elu": Elu, "relu": Relu, "exp": Exp, "performer": Performer, "cosformer": CosFormer,
     "taylor": Taylor, "t2r": T2R, "hedgehog": Hedgehog, "taylorshift": TaylorShift,
-    "dijiang": DiJiang, "quadratic": OAL, "oal": OAL,
+    "dijiang": DiJiang, "quadratic": Quadratic, "oal": OAL,
 }
 
 
 def make_feature_map(name, head_dim, num_heads=1, **kwargs):
-    """Build feature map `name` for heads of size head_dim. kwargs go to the map (e.g. t=2 for exp,
-    mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
+    """Build feature map `name` for num_heads heads of size head_dim. kwargs are the map's options (e.g.
+    t=2 for exp, mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; valid names: {', '.join(FEATURE_MAPS)}")
-    if name in ("elu", "relu", "exp", "cosformer"):  # no per-head parameters
-        return FEATURE_MAPS[name](**kwargs)
-    if name == "taylor":
-        return Taylor(head_dim, **kwargs)
-    if name == "quadratic":
-        return OAL(head_dim, num_heads, max_groups=1, **kwargs)
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)
-

@@ -5,6 +5,7 @@ fills with GPT-2's weights (Hedgehog Sec. 5.2-5.4).
     model = GPT(vocab_size, block_size, n_layer, n_head, d_model, attention="hedgehog")
     train_ids, val_ids, vocab, enc = prepare("pydoc", "cl100k_base")
     x, y = get_batch(train_ids, block_size, batch_size, generator, device)
+    save_checkpoint(ckpt, path); ckpt = load_checkpoint(path, device, attention="softmax")
 
 Text: "pydoc" is `pydoc_data.topics` (the Python reference manual, ~465 KB of English shipped with every
 CPython, so nothing downloads), "wikitext103" downloads WikiText-103 with the `datasets` package (the
@@ -143,3 +144,23 @@ class GPT(nn.Module):
                 out = torch.cat([out, torch.multinomial(probs, 1)], dim=1)
         return out
 
+
+def save_checkpoint(ckpt, path):
+    """torch.save to path + '.tmp', then an atomic rename: a kill mid-write leaves the old file intact."""
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, dev, attention=None):
+    """A train_gpt.py checkpoint (a dict with kind "train_gpt"), optionally of a given attention, or a clear
+    error for a missing file or another kind of file."""
+    if not os.path.exists(path):
+        raise SystemExit(f"error: no checkpoint at {path}")
+    ckpt = torch.load(path, map_location=dev, weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != "train_gpt":
+        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint")
+    if attention is not None and ckpt["model_args"].get("attention") != attention:
+        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint of a {attention} GPT "
+                         f"(it has {ckpt['model_args'].get('attention')})")
+    return ckpt

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import feature_maps as fm
 import kernel
-from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_cumsum,
+from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum,
                        linear_attention_quadratic, linear_attention_step, softmax_attention)
 
 NAMES = list(fm.FEATURE_MAPS)
@@ -82,6 +82,8 @@ def test_forms_match_float64_reference(name, causal):
     assert torch.allclose(linear_attention(qf, kf, v, causal, backend="torch"), ref, rtol=1e-9, atol=1e-9)
     if causal:
         assert torch.allclose(linear_attention_cumsum(qf, kf, v), ref, rtol=1e-9, atol=1e-9)
+        for chunk in (8, 64):  # a partial last chunk (37 = 4 x 8 + 5), and one chunk longer than T
+            assert torch.allclose(linear_attention_chunked(qf, kf, v, chunk), ref, rtol=1e-9, atol=1e-9)
         state, ys = None, []
         for t in range(q.shape[2]):
             y, state = linear_attention_step(qf[:, :, t], kf[:, :, t], v[:, :, t], state)
@@ -94,8 +96,8 @@ def test_forms_match_float64_reference(name, causal):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_gradients_match_quadratic_autograd(name):
-    """Gradients through the kernel's hand-written backward equal autograd through the O(T^2) form,
-    for q, k, v and the feature map's own parameters."""
+    """Gradients through the kernel's hand-written backward, and autograd through the plain chunked form,
+    equal autograd through the O(T^2) form, for q, k, v and the feature map's own parameters."""
     fmap = make_map(name)
     q, k, v = (x.requires_grad_() for x in qkv(T=70))
     params = [q, k, v] + list(fmap.parameters())
@@ -105,10 +107,10 @@ def test_gradients_match_quadratic_autograd(name):
         return torch.autograd.grad((form(*fmap(q, k), v) * g).sum(), params, allow_unused=True)
 
     ref = grads(linear_attention_quadratic)
-    got = grads(lambda a, b, c: linear_attention(a, b, c, backend="torch"))
-    for r, x in zip(ref, got):
-        if r is not None:
-            assert torch.allclose(x, r, rtol=1e-8, atol=1e-9 * r.abs().max().item())
+    for form in (lambda a, b, c: linear_attention(a, b, c, backend="torch"), lambda a, b, c: linear_attention_chunked(a, b, c, 16)):
+        for r, x in zip(ref, grads(form)):
+            if r is not None:
+                assert torch.allclose(x, r, rtol=1e-8, atol=1e-9 * r.abs().max().item())
 
 
 def test_kernel_gradcheck():
@@ -764,7 +766,7 @@ def test_scripts_reject_unknown_settings():
 
 
 def test_kernel_benchmark_smoke(tmp_path):
-    out = run_script("kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
+    out = run_script("bench_kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
                      f"--out={tmp_path / 'kernel.json'}")
     import json
     err = float(out.split("check torch: max relative error")[1].split("= ")[1].split()[0])
@@ -974,7 +976,7 @@ def test_no_float64_in_any_map_or_form(name, torch_path):
             qf, kf = mha.fmap(q, k)
             outs = [linear_attention(qf, kf, v, backend="torch"), linear_attention(qf, kf, v, causal=False),
                     linear_attention_quadratic(qf, kf, v), linear_attention_cumsum(qf, kf, v),
-                    linear_attention_step(qf[:, :, 0], kf[:, :, 0], v[:, :, 0])[0]]
+                    linear_attention_chunked(qf, kf, v, 8), linear_attention_step(qf[:, :, 0], kf[:, :, 0], v[:, :, 0])[0]]
         outs.append(mha.weights(x))
         sum(o.sum() for o in outs).backward()
         mha.step(x[:, 0].detach())
@@ -1067,6 +1069,10 @@ def test_readme_commands_in_order(tmp_path):
                "--plots=false", "--results=again.json", cwd=tmp_path)  # a new process: every random init is seeded
     assert json.load(open(tmp_path / "again.json"))[0]["val_ppl"] == records[0]["val_ppl"]
     assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
+    run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
+               f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)  # part 2 reads both checkpoints
+    gpt = [r for r in json.load(open(tmp_path / "decode.json"))["records"] if r["part"] == "gpt"]
+    assert [(r["attention"], r["context"]) for r in gpt] == [("softmax", 4), ("hedgehog", 4)]
 
 
 @needs_tokenizer
@@ -1089,9 +1095,9 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
 
 def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """save_checkpoint writes a temporary file and renames it: a crash mid-write leaves ckpt.pt as it was."""
-    import train_gpt
+    from gpt import load_checkpoint, save_checkpoint
     path = str(tmp_path / "ckpt.pt")
-    train_gpt.save_checkpoint({"iter_num": 100, "kind": "train_gpt"}, path)
+    save_checkpoint({"iter_num": 100, "kind": "train_gpt"}, path)
     real_save = torch.save
 
     def dies_halfway(obj, f):
@@ -1102,14 +1108,16 @@ def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        train_gpt.save_checkpoint({"iter_num": 200, "kind": "train_gpt"}, path)
+        save_checkpoint({"iter_num": 200, "kind": "train_gpt"}, path)
     monkeypatch.setattr(torch, "save", real_save)
-    assert train_gpt.load_checkpoint(path, "cpu")["iter_num"] == 100
+    assert load_checkpoint(path, "cpu")["iter_num"] == 100
 
 
-def test_convert_rejects_a_linear_checkpoint(tmp_path):
+def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
     torch.save({"kind": "something else"}, tmp_path / "bad.pt")
     assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
+    torch.save({"kind": "train_gpt", "model_args": {"attention": "hedgehog"}}, tmp_path / "linear.pt")
+    assert "not a train_gpt.py checkpoint of a softmax GPT" in run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
 
 
 @needs_tokenizer
@@ -1133,4 +1141,4 @@ def test_decode_benchmark_smoke(tmp_path):
         assert layer["softmax", T]["state_bytes"] == 2 * 2 * T * 8 * 4
         assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
     assert all(r["ms_per_token"] > 0 for r in result["records"])
-    assert {r["part"] for r in result["records"]} == {"layer", "gpt"}
+    assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped

@@ -353,15 +353,18 @@ def names_in(records):
 
 
 def plot_entropy(plt, records, out_dir):
-    """Hedgehog Fig. 4: test accuracy against the retrieval head's entropy, one point per run."""
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    """Hedgehog Fig. 4: test accuracy against the retrieval head's entropy, and against its weight on the
+    answer's positions; one point per run."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     for j, name in enumerate(names_in(records)):
         rs = [r for r in records if r["attention"] == name]
-        ax.scatter([r["retrieval_entropy"] for r in rs], [r["test_acc"] for r in rs], color=f"C{j % 10}",
-                   marker="o" if j < 10 else "s", label=name)
-    ax.set(xlabel="entropy of the retrieval head's query row (nats)", ylabel="test accuracy",
-           title="Associative recall: accuracy vs spikiness (cf. Hedgehog Fig. 4)")
-    ax.legend(fontsize=7, ncol=2)
+        for ax, key in zip(axes, ("retrieval_entropy", "target_mass")):
+            ax.scatter([r[key] for r in rs], [r["test_acc"] for r in rs], color=f"C{j % 10}",
+                       marker="o" if j < 10 else "s", label=name)
+    axes[0].set(xlabel="entropy of the retrieval head's query row (nats)", ylabel="test accuracy")
+    axes[1].set(xlabel="its weight on the answer's positions (target mass)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle("Associative recall: accuracy vs spikiness (cf. Hedgehog Fig. 4)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "ar_entropy.png"), dpi=120)
 

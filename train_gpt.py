@@ -31,7 +31,7 @@ import time
 import torch
 
 from configurator import configure, pick_device
-from gpt import GPT, evaluate, get_batch, prepare
+from gpt import GPT, evaluate, get_batch, load_checkpoint, prepare, save_checkpoint
 
 # ---- config: plain values, override with --key=value ----
 data = "pydoc"  # "pydoc", a path to a .txt file, or "wikitext103" (downloads)
@@ -67,23 +67,6 @@ def lr_at(it, cfg):
     decay_iters = cfg["lr_decay_iters"] or cfg["max_iters"]
     progress = (it - cfg["warmup_iters"]) / max(1, decay_iters - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg["lr"] - cfg["min_lr"])
-
-
-def save_checkpoint(ckpt, path):
-    """torch.save to path + '.tmp', then an atomic rename: a kill mid-write leaves the old file intact."""
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, dev):
-    """A train_gpt.py checkpoint, or a clear error for a missing file or another kind of file."""
-    if not os.path.exists(path):
-        raise SystemExit(f"error: no checkpoint at {path}")
-    ckpt = torch.load(path, map_location=dev, weights_only=False)
-    if not isinstance(ckpt, dict) or ckpt.get("kind") != "train_gpt":
-        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint")
-    return ckpt
 
 
 def main(cfg):
