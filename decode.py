@@ -129,7 +129,7 @@ def main(cfg):
             faster = [T for T in lengths if ms[name, T] < ms["softmax", T]]
             summary[name]["crossover"] = faster[0] if faster else None
             print(f"{name} is faster than softmax from a context of {faster[0] if faster else 'none of these'} tokens")
-    print(f"\npart 2: the GPT of train_gpt.py, generating token by token")
+    print("\npart 2: the GPT of train_gpt.py, generating token by token")
     for name in names:
         timed = time_gpt(name, cfg, dev)
         if timed is None:

@@ -22,11 +22,11 @@ Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps mod
     layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
     distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, val=None) -> list of losses
     fidelity(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
+    output_rel_mse(attn, fmap, q, k, v) -> (RelMSE per head, RelMSE after attn's output projection)
 """
 import torch
 
 from attention import _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
-from feature_maps import OAL
 
 
 @torch.no_grad()
@@ -75,17 +75,15 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
     decay). Returns the training loss at every step. The O(T^2) forms are used: this is for the short
     calibration sequences of one layer; a model-wide run distils every layer with one optimiser.
 
-    An OAL map whose groups were never set is grouped first from these q, k (OAL App. B: grouping, then
-    calibration on the same data). val = (q, k, v) of held-out windows: the loss there is checked every
-    eval_every steps and the best parameters are kept (OAL selects its factors by validation output MSE).
+    Group an OAL map first (fmap.set_groups_from on the same q, k: OAL App. B). val = (q, k, v) of held-out
+    windows: the loss there is checked every eval_every steps and the best parameters are kept (OAL selects
+    its factors by validation output MSE).
     """
     params = [p for p in fmap.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(fmap).__name__} has no parameters to distil (it is a fixed map)")
     q, k = q.detach(), k.detach()
     v = None if v is None else v.detach()
-    if isinstance(fmap, OAL) and fmap.G > 1 and not fmap.grouped:
-        fmap.set_groups_from(q, k, causal)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     history, best, best_params = [], float("inf"), None
     for step in range(steps + 1):
@@ -137,3 +135,14 @@ def fidelity(q, k, v, fmap, causal=True, monotonicity=True):
     if monotonicity:
         out["monotonicity"] = spearman_rows(_fp32(q) @ _fp32(k).transpose(-1, -2), ahat, causal)
     return out
+
+
+@torch.no_grad()
+def output_rel_mse(attn, fmap, q, k, v):
+    """OAL's RelMSE ||O_lin - O_soft||^2 / ||O_soft||^2 of one layer, attn (a MultiHeadAttention) with fmap
+    behind its q, k, v: per head on the attention outputs (a list of H), and after the output projection o."""
+    o = softmax_attention(q, k, v, causal=attn.causal)  # (B, H, T, D)
+    ohat = linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal)
+    per_head = ((ohat - o).pow(2).sum((2, 3)) / o.pow(2).sum((2, 3))).mean(0)  # (H,)
+    y, yhat = (attn.o(x.transpose(1, 2).flatten(2)) for x in (o, ohat))  # (B, T, C): heads merged, projected
+    return per_head.tolist(), ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()

@@ -340,22 +340,14 @@ class OAL(FeatureMap):
         L[:, 1:, 0] = L[:, 1:, 1] = 0.5
         self.L = nn.Parameter(L)
         self.register_buffer("groups", torch.zeros(num_heads, head_dim, dtype=torch.long))
-        self.register_buffer("grouped", torch.tensor(False))  # set_groups was called (distill groups it otherwise)
 
     @torch.no_grad()
     def set_groups(self, groups):
-        """Fix the grouping, (H, D) ints in [0, max_groups). Splitting a head that is still one group
-        copies that group's coefficients to the new groups, so the kernel does not change at the split."""
+        """Fix the grouping, (H, D) ints in [0, max_groups)."""
         groups = torch.as_tensor(groups, dtype=torch.long, device=self.groups.device)
         if groups.shape != self.groups.shape or groups.min() < 0 or groups.max() >= self.G:
             raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), got shape {tuple(groups.shape)}")
-        for h in range(self.groups.shape[0]):
-            if (self.groups[h] == 0).all():  # still one group: every group row becomes a copy of row 1,
-                self.L[h, 2:] = 0            # so [1, z_1..z_G] L keeps its columns L_00 + L_10 s and L_11 s
-                self.L[h, 2:, 0] = self.L[h, 1, 0]
-                self.L[h, 2:, 1] = self.L[h, 1, 1]
         self.groups.copy_(groups)
-        self.grouped.fill_(True)
 
     def set_groups_from(self, q, k, causal=True, budget=None):
         """OAL Sec. 4.2: contribution scores of calibration q, k (B, H, T, D), one row per sequence,

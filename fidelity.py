@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import distill
 import pretrained
-from attention import attention_weights, linear_attention_quadratic, softmax_attention
+from attention import attention_weights
 from configurator import configure, pyplot
 from feature_maps import FEATURE_MAPS, contribution_scores, make_feature_map
 from gpt import load_text
@@ -80,23 +80,14 @@ def held_out_sentences(text, encode, special, n, max_tokens):
 def build_map(name, attn, calib, val, cfg):
     """A feature map for one layer's heads, distilled on the calibration (q, k, v) when it has parameters,
     keeping the best checkpoint on the held-out val (q, k, v). OAL is grouped first from the calibration
-    q, k (inside distill_feature_map). Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
+    q, k (OAL App. B). Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
     fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
+    if name == "oal":
+        fmap.set_groups_from(calib[0], calib[1], attn.causal)
     if any(p.requires_grad for p in fmap.parameters()):
         distill.distill_feature_map(fmap, *calib, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
                                     causal=attn.causal, val=val)
     return fmap, fmap.groups.tolist() if name == "oal" else None
-
-
-@torch.no_grad()
-def out_rel_mse(attn, q, k, v, fmap):
-    """RelMSE of the layer's output after the output projection o: ||o(Y_lin) - o(Y_soft)||^2 / ||o(Y_soft)||^2."""
-    def project(y):  # (B, H, T, D) -> (B, T, C): merge the heads, then the output projection
-        return attn.o(y.transpose(1, 2).flatten(2))
-
-    y = project(softmax_attention(q, k, v, causal=attn.causal))
-    yhat = project(linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal))
-    return ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()
 
 
 def contributions(q, k, causal, top_frac=0.1):
@@ -176,7 +167,7 @@ def main(cfg):
                 groups[i] = g
             q, k, v = test_qkv[cfg["seq_len"]][i]
             row = {"layer": i, "map": name, **distill.fidelity(q, k, v, fmaps[name][i], causal),
-                   "rel_mse_out": out_rel_mse(attn, q, k, v, fmaps[name][i])}
+                   "rel_mse_out": distill.output_rel_mse(attn, fmaps[name][i], q, k, v)[1]}
             row["by_length"] = {T: distill.fidelity(*test_qkv[T][i], fmaps[name][i], causal, monotonicity=False)
                                 for T in lengths}
             rows.append(row)

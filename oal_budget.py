@@ -24,7 +24,6 @@ import torch
 
 import distill
 import pretrained
-from attention import linear_attention_quadratic, softmax_attention
 from configurator import configure, pyplot
 from feature_maps import OAL, contribution_scores, find_groups
 from gpt import load_text
@@ -49,16 +48,6 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 def random_like(groups, gen):
     """The same number of dimensions in each group as `groups` (H, D), the dimensions drawn at random."""
     return torch.stack([g[torch.randperm(len(g), generator=gen)] for g in groups])
-
-
-@torch.no_grad()
-def rel_mse(attn, fmap, q, k, v):
-    """RelMSE ||O_lin - O_soft||^2 / ||O_soft||^2 per head (H,), and of the layer after the output projection."""
-    o = softmax_attention(q, k, v, causal=attn.causal)  # (B, H, T, D)
-    ohat = linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal)
-    per_head = ((ohat - o).pow(2).sum((2, 3)) / o.pow(2).sum((2, 3))).mean(0)  # (H,)
-    y, yhat = (attn.o(x.transpose(1, 2).flatten(2)) for x in (o, ohat))  # (B, T, C)
-    return per_head.tolist(), ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()
 
 
 def calibrate(groups, max_groups, attn, calib_qkv, val_qkv, cfg):
@@ -108,7 +97,7 @@ def main(cfg):
             max_groups = D if kind == "per dimension" else max(budgets + [5])
             key = (groups.numpy().tobytes(), max_groups)
             if key not in fitted:
-                fitted[key] = rel_mse(attn, calibrate(groups, max_groups, attn, calib_qkv[i], val_qkv[i], cfg), *test_qkv[i])
+                fitted[key] = distill.output_rel_mse(attn, calibrate(groups, max_groups, attn, calib_qkv[i], val_qkv[i], cfg), *test_qkv[i])
             per_head, after_o = fitted[key]
             n_groups = [int(g.max()) + 1 for g in groups]
             rows.append({"layer": i, "kind": kind, "G": G, "groups_per_head": n_groups, "rel_mse_heads": per_head,

