@@ -71,7 +71,7 @@ batch_size = 64
 lr = 3e-3
 weight_decay = 0.1
 warmup = 0.0  # > 0: linear warm-up over this fraction of all steps, then linear decay to 0; 0: constant lr
-patience = 0  # stop after this many epochs without a better accuracy (0: no such stop)
+patience = 0  # stop after this many epochs after the warm-up without a better accuracy (0: no such stop)
 max_minutes = 0.0  # per run: stop after the epoch in which this much time has passed (0: no limit)
 target_acc = 0.99  # stop when the per-epoch accuracy (on the first 500 test sequences) reaches this
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
@@ -261,8 +261,9 @@ def train_one(attention, features, seed, data, cfg, dev):
     model = ARModel(name, cfg["vocab_size"], T, cfg["n_layer"], cfg["d_model"], cfg["n_head"], cfg["mlp_ratio"],
                     cfg["token_shift"], qk_dim, cfg["dropout"], **kw).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    per_step = -(-len(x_train) // cfg["batch_size"])
-    total_steps, warm = cfg["epochs"] * per_step, int(cfg["warmup"] * cfg["epochs"] * per_step)
+    steps_per_epoch = -(-len(x_train) // cfg["batch_size"])
+    total_steps = cfg["epochs"] * steps_per_epoch
+    warm = int(cfg["warmup"] * total_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
@@ -287,7 +288,7 @@ def train_one(attention, features, seed, data, cfg, dev):
             regroup_oal(model, x_train[:256])
         acc = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
         per_epoch.append(acc)
-        best, since_best = (acc, 0) if acc > best else (best, since_best + 1)
+        best, since_best = (acc, 0) if acc > best else (best, since_best + (step > warm))  # not counted in warm-up
         print(f"{attention} F={features} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
               f"test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
         if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
