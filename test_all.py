@@ -722,7 +722,7 @@ def test_train_ar_smoke(tmp_path):
     records = json.load(open(tmp_path / "ar.json"))
     assert [r["attention"] for r in records] == ["softmax", "exp_norm_t2", "oal"]
     for r in records:
-        losses = [float(x) for x in re.findall(rf"{r['attention']} F=64 seed 0 \| epoch \d: train loss ([\d.]+)", out)]
+        losses = [float(x) for x in re.findall(rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)", out)]
         assert len(losses) == 3 and losses[-1] < losses[0], (r["attention"], losses)
         name, kw = train_ar.VARIANTS.get(r["attention"], (r["attention"], {}))
         assert r["params"] == sum(p.numel() for p in train_ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())

@@ -257,6 +257,7 @@ def train_one(attention, features, seed, data, cfg, dev):
     x_train, y_train, x_test, y_test = (t.to(dev) for t in data)
     T = x_train.shape[1]
     qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
+    F_ = feature_size(name, qk_dim, kw)
     torch.manual_seed(seed)
     model = ARModel(name, cfg["vocab_size"], T, cfg["n_layer"], cfg["d_model"], cfg["n_head"], cfg["mlp_ratio"],
                     cfg["token_shift"], qk_dim, cfg["dropout"], **kw).to(dev)
@@ -289,7 +290,7 @@ def train_one(attention, features, seed, data, cfg, dev):
         acc = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
         per_epoch.append(acc)
         best, since_best = (acc, 0) if acc > best else (best, since_best + (step > warm))  # not counted in warm-up
-        print(f"{attention} F={features} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
+        print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
               f"test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
         if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
                 or 0 < cfg["patience"] <= since_best):
@@ -297,7 +298,6 @@ def train_one(attention, features, seed, data, cfg, dev):
     seconds = time.time() - t0
     mass, ent, rows = lookup_stats(model, x_test[:200])
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
-    F_ = feature_size(name, qk_dim, kw)
     return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test),
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
