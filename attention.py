@@ -12,17 +12,18 @@ computed five ways that must agree (test_all.py checks each against a float64 lo
     linear_attention_chunked     the chunked algorithm written plainly: quadratic inside a chunk, state across
     linear_attention             causal: the same algorithm, fast (kernel.py, Triton or PyTorch); bidirectional: closed form
     linear_attention_step        one token at a time with an (S, z) state of size F x Dv: generation
-The eps keeps the denominator away from 0 when a map (ReLU) gives a row of zero weights.
+EPS (1e-6) keeps the denominator away from 0 when a map (ReLU) gives a row of zero weights; every form
+and every model uses it. DISTILL_EPS (1e-12) is the one of Hedgehog's distillation weights (Sec. 4.2).
 States and sums are float32 whatever the input dtype.
 
 Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interface:
     softmax_attention(q, k, v, causal=True)
-    linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto")
-    attention_weights(q, k, fmap=None, causal=True) -> (B, H, T, T) normalised weights
+    linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto")
+    attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS) -> (B, H, T, T) normalised weights
     entropy(weights) -> (B, H, T) row entropies in nats
     linear_attention_chunked(qf, kf, v, chunk=64)
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
-    MultiHeadAttention(d_model, n_heads, feature_map="softmax" | any name in feature_maps.FEATURE_MAPS, qk_dim=None)
+    MultiHeadAttention(d_model, n_head, attention="softmax" | any name in feature_maps.FEATURE_MAPS, qk_dim=None)
     Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
 """
 import math
@@ -32,7 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from feature_maps import _fp32, make_feature_map
-from kernel import causal_linear_attention
+from kernel import EPS, causal_linear_attention  # EPS = 1e-6, the linear attention denominator's guard
+
+DISTILL_EPS = 1e-12  # the normaliser of the weights Hedgehog distils (Sec. 4.2)
 
 
 def causal_mask(T, device=None):
@@ -50,19 +53,19 @@ def softmax_attention(q, k, v, causal=True):
     return attention_weights(q, k, causal=causal).to(v.dtype) @ v
 
 
-def _normalise(A, causal=True, eps=1e-6):
+def _normalise(A, causal=True, eps=EPS):
     """Kernel values A (B, H, T, T) -> linear attention weights A_ij / (sum_l A_il + eps), j <= i if causal."""
     if causal:
         A = A.masked_fill(~causal_mask(A.shape[-1], A.device), 0.0)
     return A / (A.sum(-1, keepdim=True) + eps)
 
 
-def linear_weights(qf, kf, causal=True, eps=1e-6):
+def linear_weights(qf, kf, causal=True, eps=EPS):
     """Normalised linear attention weights A_ij = qf_i . kf_j / (sum_l qf_i . kf_l + eps), (B, H, T, T)."""
     return _normalise(_fp32(qf) @ _fp32(kf).transpose(-1, -2), causal, eps)
 
 
-def attention_weights(q, k, fmap=None, causal=True, eps=1e-12):
+def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS):
     """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap's
     kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for OAL).
     eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows."""
@@ -74,12 +77,12 @@ def attention_weights(q, k, fmap=None, causal=True, eps=1e-12):
     return s.softmax(-1)
 
 
-def linear_attention_quadratic(qf, kf, v, causal=True, eps=1e-6):
+def linear_attention_quadratic(qf, kf, v, causal=True, eps=EPS):
     """O(T^2) form: the weights are materialised, then y = A v."""
     return (linear_weights(qf, kf, causal, eps) @ _fp32(v)).to(v.dtype)
 
 
-def linear_attention_cumsum(qf, kf, v, eps=1e-6):
+def linear_attention_cumsum(qf, kf, v, eps=EPS):
     """Causal form with explicit running sums: S_i = cumsum_j kf_j v_j^T is (B, H, T, F, Dv). Slow; for reading."""
     qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
     S = torch.cumsum(kf.unsqueeze(-1) * vf.unsqueeze(-2), dim=2)  # (B, H, T, F, Dv)
@@ -89,7 +92,7 @@ def linear_attention_cumsum(qf, kf, v, eps=1e-6):
     return (num / den).to(v.dtype)
 
 
-def linear_attention_chunked(qf, kf, v, chunk=64, eps=1e-6):
+def linear_attention_chunked(qf, kf, v, chunk=64, eps=EPS):
     """Causal linear attention by chunks, written to be read; kernel.py runs the same algorithm fast.
 
     Cut time into chunks of C tokens. A query sees two things: the earlier tokens of its own chunk,
@@ -118,7 +121,7 @@ def linear_attention_chunked(qf, kf, v, chunk=64, eps=1e-6):
     return torch.cat(ys, dim=2).to(v.dtype)
 
 
-def linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto"):
+def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto"):
     """Linear attention in O(T): causal through kernel.causal_linear_attention (chunked; backend "auto"
     uses Triton when it can run), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
     if causal:
@@ -129,7 +132,7 @@ def linear_attention(qf, kf, v, causal=True, eps=1e-6, backend="auto"):
     return (num / den).to(v.dtype)
 
 
-def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=1e-6):
+def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=EPS):
     """One token of causal linear attention. qf_t, kf_t: (B, H, F), v_t: (B, H, Dv).
     state = (S, z): (B, H, F, Dv) and (B, H, F) in float32, None to start. Returns (y_t (B, H, Dv), state)."""
     qf, kf, vf = _fp32(qf_t), _fp32(kf_t), _fp32(v_t)
@@ -146,28 +149,33 @@ def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=1e-6):
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with softmax or any feature map: x (B, T, C) -> (B, T, C).
 
-    Separate q, k, v, o projections (convert.py puts LoRA adapters on each). feature_map="softmax"
-    uses F.scaled_dot_product_attention; any other name builds feature_maps.make_feature_map(name,
-    qk_dim, n_heads, **fmap_kwargs), one set of parameters per head (Hedgehog App. A.2).
-    qk_dim: the head size of q and k (default C / n_heads, the size of v): the feature size F of a
-    map follows from it, so setting it per map is how train_ar.py gives every map the same F.
+    Separate q, k, v, o projections (convert.py puts LoRA adapters on each), with biases if bias=True.
+    attention="softmax" uses F.scaled_dot_product_attention; any other name builds the feature map
+    make_feature_map(attention, qk_dim, n_head, **fmap_options), one set of parameters per head
+    (Hedgehog App. A.2).
+    qk_dim: the head size of q and k (default C / n_head, the size of v): the feature size F of a map
+    follows from it, so setting it per map is how train_ar.py gives every map the same F.
+    max_len: the longest sequence the layer will see; cosFormer's fixed length M (so that it can decode
+    token by token) unless fmap_options set one. Other maps ignore it.
     attn_dropout: dropout on softmax's weights while training (linear attention never forms them).
     """
 
-    def __init__(self, d_model, n_heads, feature_map="softmax", causal=True, bias=False, qk_dim=None,
-                 attn_dropout=0.0, **fmap_kwargs):
+    def __init__(self, d_model, n_head, attention="softmax", causal=True, bias=False, qk_dim=None,
+                 max_len=None, attn_dropout=0.0, **fmap_options):
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads, self.head_dim, self.causal = n_heads, d_model // n_heads, causal
+        if d_model % n_head:
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        self.n_head, self.head_dim, self.causal = n_head, d_model // n_head, causal
         self.qk_dim, self.attn_dropout = qk_dim or self.head_dim, attn_dropout
-        self.q, self.k = (nn.Linear(d_model, n_heads * self.qk_dim, bias=bias) for _ in range(2))
+        self.q, self.k = (nn.Linear(d_model, n_head * self.qk_dim, bias=bias) for _ in range(2))
         self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(2))
-        self.fmap = None if feature_map == "softmax" else make_feature_map(feature_map, self.qk_dim, n_heads, **fmap_kwargs)
+        if attention == "cosformer":
+            fmap_options.setdefault("max_len", max_len)
+        self.fmap = None if attention == "softmax" else make_feature_map(attention, self.qk_dim, n_head, **fmap_options)
 
     def heads(self, x):
         """x (B, T, C) -> q, k (B, H, T, qk_dim) and v (B, H, T, D)."""
-        split = lambda y: y.unflatten(-1, (self.n_heads, -1)).transpose(1, 2)
+        split = lambda y: y.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
         return split(self.q(x)), split(self.k(x)), split(self.v(x))
 
     def mix(self, q, k, v):
@@ -185,7 +193,7 @@ class MultiHeadAttention(nn.Module):
     def weights(self, x):
         """(B, H, T, T) attention weights of this layer on input x, exactly the ones forward() uses (same eps)."""
         q, k, _ = self.heads(x)
-        return attention_weights(q, k, self.fmap, causal=self.causal, eps=1e-6)
+        return attention_weights(q, k, self.fmap, causal=self.causal, eps=EPS)
 
     def step(self, x_t, cache=None):
         """Decode one token: x_t (B, C) -> (y_t (B, C), cache). Softmax keeps every key and value (a KV
@@ -208,12 +216,13 @@ class MultiHeadAttention(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm Transformer block, the unit every model here stacks: x + attn(ln(x)), then x + mlp(ln(x)).
-    mlp_ratio = 0 leaves the MLP out (attention-only blocks)."""
+    mlp_ratio = 0 leaves the MLP out (attention-only blocks). The other arguments go to MultiHeadAttention."""
 
-    def __init__(self, d_model, n_head, attention="softmax", mlp_ratio=4, causal=True, **fmap_kwargs):
+    def __init__(self, d_model, n_head, attention="softmax", mlp_ratio=4, causal=True, bias=False, qk_dim=None,
+                 max_len=None, attn_dropout=0.0, **fmap_options):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_head, feature_map=attention, causal=causal, **fmap_kwargs)
+        self.attn = MultiHeadAttention(d_model, n_head, attention, causal, bias, qk_dim, max_len, attn_dropout, **fmap_options)
         self.mlp = None
         if mlp_ratio:
             self.ln2 = nn.LayerNorm(d_model)

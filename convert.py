@@ -94,7 +94,7 @@ def swap(model, fmap_name, layer_ids):
     """Put a fresh feature map behind q, k, v, o of the given layers (their weights are kept)."""
     for i in layer_ids:
         attn = model.blocks[i].attn
-        attn.fmap = make_feature_map(fmap_name, attn.qk_dim, attn.n_heads).to(attn.q.weight.device)
+        attn.fmap = make_feature_map(fmap_name, attn.qk_dim, attn.n_head).to(attn.q.weight.device)
 
 
 def set_oal_groups(model, teacher, idx, layer_ids):
@@ -168,9 +168,9 @@ def finetune_model(model, train_ids, cfg, dev):
     return sum(p.numel() for p in params)
 
 
-def fidelity(model, teacher, idx, layer_ids):
-    """distill.fidelity averaged over the converted layers, on the teacher's q, k, v."""
-    rows = [distill.fidelity(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in distill.layer_qkv(teacher, idx, layer_ids).items()]
+def converted_mimicry(model, teacher, idx, layer_ids):
+    """distill.mimicry averaged over the converted layers, on the teacher's q, k, v."""
+    rows = [distill.mimicry(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in distill.layer_qkv(teacher, idx, layer_ids).items()]
     return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
 
 
@@ -238,7 +238,7 @@ def main(cfg):
         if loss is not None:
             distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
         ppl_distill = ppl(model)
-        fid = fidelity(model, teacher, probe, layer_ids)
+        fid = converted_mimicry(model, teacher, probe, layer_ids)
         trained = finetune_model(model, train_ids, cfg, dev)
         final = ppl(model)
         record = {"method": name, "feature_map": fmap_name, "distill_loss": loss, "val_ppl_swap": ppl_swap,

@@ -41,7 +41,7 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 def cache_of_length(mha, T, dev):
     """The cache MultiHeadAttention.step would hold after T tokens, filled with random values: softmax's
     keys and values (B, H, T, D), or linear attention's state (S, z), which does not grow with T."""
-    H, D = mha.n_heads, mha.head_dim
+    H, D = mha.n_head, mha.head_dim
     if mha.fmap is None:
         return {"t": T, "k": torch.randn(1, H, T, D, device=dev), "v": torch.randn(1, H, T, D, device=dev)}
     q = torch.randn(1, H, 1, D, device=dev)
@@ -64,8 +64,7 @@ def sync(dev):
 def time_layer(name, T, cfg, dev):
     """Median seconds of one decoding step at context T, and the cache bytes."""
     torch.manual_seed(0)
-    kw = {"max_len": T + cfg["tokens"] + 1} if name == "cosformer" else {}
-    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], feature_map=name, **kw).to(dev)
+    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], name, max_len=T + cfg["tokens"] + 1).to(dev)
     cache = cache_of_length(mha, T, dev)
     x = torch.randn(1, cfg["heads"] * cfg["head_dim"], device=dev)
     times = []

@@ -6,13 +6,13 @@ Hedgehog (Sec. 4.2, App. A.3): freeze q and k; train only the feature map so tha
 attention weights match the softmax weights, with a soft-label cross-entropy per query row,
 
     loss = mean_i  - sum_{j<=i} a_ij log ahat_ij,   a = softmax(q k^T / sqrt(D)) (teacher, fp32, no grad),
-                                                   ahat = normalised (qf kf^T) * mask (student, eps 1e-12).
+                                                   ahat = normalised (qf kf^T) * mask (student, eps DISTILL_EPS = 1e-12).
 
 OAL (Sec. 4.3, App. B): freeze q, k, v; fit the kernel so that the normalised causal outputs match
 softmax's, with an MSE on the outputs (loss="mse"). loss="both" adds the two (successors of Hedgehog
 combine them).
 
-Fidelity (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and averaged:
+Fidelity, distill.mimicry (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and averaged:
     kl            KL(softmax || linear) per query row
     rel_mse       ||O_linear - O_softmax||^2 / ||O_softmax||^2 per sequence (OAL's metric)
     entropy       entropy of the linear weights per row, in nats (spikiness); entropy_softmax for the teacher
@@ -21,12 +21,12 @@ Fidelity (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C), per head and a
 Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps module with H heads):
     layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
     distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, val=None) -> list of losses
-    fidelity(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
+    mimicry(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
     output_rel_mse(attn, fmap, q, k, v) -> (RelMSE per head, RelMSE after attn's output projection)
 """
 import torch
 
-from attention import _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
+from attention import EPS, _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
 
 
 @torch.no_grad()
@@ -60,12 +60,12 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
     if loss in ("xent", "both"):
         with torch.no_grad():
             teacher = attention_weights(q, k, causal=causal)  # (B, H, T, T), fp32
-        student = attention_weights(q, k, fmap, causal=causal)  # rows normalised with eps 1e-12
+        student = attention_weights(q, k, fmap, causal=causal)  # rows normalised with DISTILL_EPS
         total = total - (teacher * student.clamp_min(1e-12).log()).sum(-1).mean()
     if loss in ("mse", "both"):
         with torch.no_grad():
             target = softmax_attention(q, k, _fp32(v), causal=causal)
-        out = attention_weights(q, k, fmap, causal=causal, eps=1e-6) @ _fp32(v)  # linear_attention_quadratic's output
+        out = attention_weights(q, k, fmap, causal=causal, eps=EPS) @ _fp32(v)  # linear_attention_quadratic's output
         total = total + (out - target).pow(2).mean()
     return total
 
@@ -121,7 +121,7 @@ def spearman_rows(x, y, causal=True):
 
 
 @torch.no_grad()
-def fidelity(q, k, v, fmap, causal=True, monotonicity=True):
+def mimicry(q, k, v, fmap, causal=True, monotonicity=True):
     """How well fmap's linear attention mimics softmax on these q, k, v: see the module docstring.
     monotonicity=False skips its per-row loop (slow for long sequences)."""
     a = attention_weights(q, k, causal=causal)  # (B, H, T, T) teacher

@@ -81,7 +81,7 @@ def build_map(name, attn, calib, val, cfg):
     """A feature map for one layer's heads, distilled on the calibration (q, k, v) when it has parameters,
     keeping the best checkpoint on the held-out val (q, k, v). OAL is grouped first from the calibration
     q, k (OAL App. B). Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
-    fmap = make_feature_map(name, attn.head_dim, attn.n_heads)
+    fmap = make_feature_map(name, attn.head_dim, attn.n_head)
     if name == "oal":
         fmap.set_groups_from(calib[0], calib[1], attn.causal)
     if any(p.requires_grad for p in fmap.parameters()):
@@ -148,7 +148,7 @@ def main(cfg):
     test_x = {T: pretrained.windows(test_tok, cfg["test"], T, special, gen) for T in [cfg["seq_len"]] + lengths}
     val_x = pretrained.windows(train_ids, cfg["val"], cfg["seq_len"], special, gen)  # held out from calibration: best checkpoint
     sents = held_out_sentences(text[cut:], encode, special, cfg["sentences"], cfg["seq_len"]) if special else []
-    print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_heads} heads of {model.blocks[0].attn.head_dim}, "
+    print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_head} heads of {model.blocks[0].attn.head_dim}, "
           f"{'bidirectional' if not causal else 'causal'}; calibration {tuple(calib_x.shape)}, held-out windows at "
           f"{list(test_x)} tokens, {len(sents)} held-out sentences")
     calib_qkv = distill.layer_qkv(model, calib_x, layer_ids)
@@ -166,9 +166,9 @@ def main(cfg):
             if g is not None:
                 groups[i] = g
             q, k, v = test_qkv[cfg["seq_len"]][i]
-            row = {"layer": i, "map": name, **distill.fidelity(q, k, v, fmaps[name][i], causal),
+            row = {"layer": i, "map": name, **distill.mimicry(q, k, v, fmaps[name][i], causal),
                    "rel_mse_out": distill.output_rel_mse(attn, fmaps[name][i], q, k, v)[1]}
-            row["by_length"] = {T: distill.fidelity(*test_qkv[T][i], fmaps[name][i], causal, monotonicity=False)
+            row["by_length"] = {T: distill.mimicry(*test_qkv[T][i], fmaps[name][i], causal, monotonicity=False)
                                 for T in lengths}
             rows.append(row)
             print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  after o {row['rel_mse_out']:.3f}  "

@@ -90,17 +90,15 @@ def evaluate(model, ids, batch_size, iters, dev):
 
 class GPT(nn.Module):
     """Token and learned position embeddings, n_layer pre-norm blocks, a tied output head.
-    attention: "softmax" or any feature map name; cosFormer gets block_size as its fixed length M, so
-    that it can decode token by token."""
+    attention: "softmax" or any feature map name, with fmap_options for the map; bias: biases on the
+    attention projections (GPT-2's weights have them)."""
 
-    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, attention="softmax", **fmap_kwargs):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, attention="softmax", bias=False, **fmap_options):
         super().__init__()
-        if attention == "cosformer":
-            fmap_kwargs.setdefault("max_len", block_size)
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, **fmap_kwargs) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, bias=bias, max_len=block_size, **fmap_options) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as GPT-2

@@ -5,7 +5,7 @@ Causal linear attention, fast: Triton kernels (forward and backward) and a chunk
 
 (Hedgehog Sec. 2, OAL Sec. 2 and 4.4.) Public entry point:
 
-    causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto")
+    causal_linear_attention(qf, kf, v, eps=EPS, backend="auto")
         qf, kf: (B, H, T, F) features, v: (B, H, T, Dv) -> y: (B, H, T, Dv) in v's dtype, differentiable.
         backend "torch": the chunked fallback; "triton": the kernels; "auto": Triton on CUDA tensors for
         the sizes the build check covers (else the fallback, said once), Triton on CPU tensors when
@@ -51,6 +51,7 @@ try:
 except ImportError:
     HAS_TRITON = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, so read it here too
+EPS = 1e-6  # the denominator's guard against rows of zero weight (a ReLU map can give one)
 
 # ----------------------------------------------------------------------------------------------
 # PyTorch fallback: the chunked form, with a backward that reuses the forward's work
@@ -210,7 +211,8 @@ if HAS_TRITON:
         t = n * C + rt
         v_ptr += bh * T * DV
         dnum_ptr += bh * T * DV
-        state = (bh * N + n) * F * DV
+        S_ptr += (bh * N + n) * F * DV
+        R_ptr += (bh * N + n) * F * DV
         G = tl.zeros((C, C), dtype=tl.float32)
         dq = tl.zeros((C, BK), dtype=tl.float32)
         dk = tl.zeros((C, BK), dtype=tl.float32)
@@ -220,8 +222,8 @@ if HAS_TRITON:
             in_s = (rk[:, None] < F) & (rv[None, :] < DV)
             v = tl.load(v_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)  # (C, BV)
             dnum = tl.load(dnum_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
-            S = tl.load(S_ptr + state + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)  # (BK, BV)
-            R = tl.load(R_ptr + state + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)
+            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)  # (BK, BV)
+            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)
             G += tl.dot(dnum, tl.trans(v))
             dq += tl.dot(dnum, tl.trans(S))
             dk += tl.dot(v, tl.trans(R))
@@ -285,18 +287,6 @@ def _configs(F, Dv):
             "dv": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=4 if Dv <= 32 else 8, num_stages=2)}
 
 
-_launch_log = None  # a list while build_check.py records launches instead of running them
-
-
-def _launch(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta), or, while the build check collects launches (on meta tensors, which
-    hold no data), a record of it."""
-    if _launch_log is not None:
-        _launch_log.append((kernel, grid, args, meta))
-    else:
-        kernel[grid](*args, **meta)
-
-
 def _states(k, v, w, reverse):
     """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32."""
     BH, T, F_ = k.shape
@@ -305,7 +295,7 @@ def _states(k, v, w, reverse):
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["states"]
     grid = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), BH)
-    _launch(_states_kernel, grid, k, v, w, S, z, T, F_, Dv, N, C=CHUNK, REVERSE=reverse, **cfg)
+    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, REVERSE=reverse, **cfg)
     return S, z
 
 
@@ -318,7 +308,7 @@ def _triton_forward(q, k, v, eps):
     y = torch.empty(BH, T, Dv, device=q.device, dtype=torch.float32)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["output"]
-    _launch(_output_kernel, (triton.cdiv(Dv, cfg["BV"]), N, BH), q, k, v, S, z, y, den, T, F_, Dv, N, eps, C=CHUNK, **cfg)
+    _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, C=CHUNK, **cfg)
     return y, den
 
 
@@ -332,9 +322,9 @@ def _triton_backward(q, k, v, y, den, dy):
     R, r = _states(q, dnum, dden, reverse=True)  # R[n] = sum_{m>n} q_m^T dnum_m, r[n] = sum_{m>n} q_m^T dden_m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg = _configs(F_, Dv)
-    _launch(_dqk_kernel, (triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH), q, k, v, dnum, dden, S, z, R, r, dq, dk,
-            T, F_, Dv, N, C=CHUNK, **cfg["dqk"])
-    _launch(_dv_kernel, (triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH), q, k, dnum, R, dv, T, F_, Dv, N, C=CHUNK, **cfg["dv"])
+    _dqk_kernel[(triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk,
+                                                             T, F_, Dv, N, C=CHUNK, **cfg["dqk"])
+    _dv_kernel[(triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, C=CHUNK, **cfg["dv"])
     return dq, dk, dv
 
 
@@ -379,7 +369,7 @@ def triton_covered(F_, Dv):
     return _code_key(F_, Dv) in COVERED
 
 
-def causal_linear_attention(qf, kf, v, eps=1e-6, backend="auto"):
+def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto"):
     """Normalised causal linear attention. qf, kf: (B, H, T, F); v: (B, H, T, Dv) -> (B, H, T, Dv)."""
     if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
         raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "

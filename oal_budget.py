@@ -52,7 +52,7 @@ def random_like(groups, gen):
 
 def calibrate(groups, max_groups, attn, calib_qkv, val_qkv, cfg):
     """An OAL map with these groups (H, D), calibrated by output MSE with the best held-out checkpoint."""
-    fmap = OAL(attn.head_dim, attn.n_heads, max_groups=max_groups)
+    fmap = OAL(attn.head_dim, attn.n_head, max_groups=max_groups)
     fmap.set_groups(groups)
     distill.distill_feature_map(fmap, *calib_qkv, loss="mse", steps=cfg["steps"], lr=cfg["lr"], causal=attn.causal,
                                 val=val_qkv)
@@ -77,7 +77,7 @@ def main(cfg):
     calib_qkv, test_qkv, val_qkv = (distill.layer_qkv(net, x, layer_ids) for x in (calib_x, test_x, val_x))
     rand_gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     rows = []
-    print(f"{cfg['model']}: layers {layer_ids}, {net.blocks[0].attn.n_heads} heads of {D}; {cfg['steps']} steps each")
+    print(f"{cfg['model']}: layers {layer_ids}, {net.blocks[0].attn.n_head} heads of {D}; {cfg['steps']} steps each")
     for i in layer_ids:
         attn = net.blocks[i].attn
         scores = contribution_scores(*calib_qkv[i][:2], attn.causal).cpu()  # (B, H, D)
@@ -90,7 +90,7 @@ def main(cfg):
             if G > 1:
                 groupings[("random", G)] = random_like(groups, rand_gen)
         groupings[("published", 0)] = torch.stack([find_groups(scores[:, h]) for h in range(scores.shape[1])])
-        groupings[("per dimension", D)] = torch.arange(D).expand(attn.n_heads, D)
+        groupings[("per dimension", D)] = torch.arange(D).expand(attn.n_head, D)
         fitted = {}  # (groups, max_groups) -> test RelMSEs: the published rule often picks a budget's groups
         for (kind, G), groups in groupings.items():
             t = time.time()

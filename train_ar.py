@@ -163,17 +163,15 @@ class ARModel(nn.Module):
     """
 
     def __init__(self, attention="softmax", vocab_size=40, seq_len=127, n_layer=2, d_model=64, n_head=1,
-                 mlp_ratio=0, token_shift=True, qk_dim=None, dropout=0.0, **fmap_kwargs):
+                 mlp_ratio=0, token_shift=True, qk_dim=None, dropout=0.0, **fmap_options):
         super().__init__()
-        if attention == "cosformer":
-            fmap_kwargs.setdefault("max_len", seq_len)  # a fixed M, as in the GPT (any length up to seq_len works)
         self.token_shift = token_shift
         self.tok = nn.Embedding(vocab_size, d_model)
         self.prev = nn.Embedding(vocab_size + 1, d_model) if token_shift else None  # index vocab_size: no previous token
         self.pos = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, mlp_ratio, qk_dim=qk_dim, attn_dropout=dropout,
-                                          **fmap_kwargs) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, mlp_ratio, qk_dim=qk_dim, max_len=seq_len,
+                                          attn_dropout=dropout, **fmap_options) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
@@ -237,7 +235,7 @@ def lookup_stats(model, x):
 
 
 @torch.inference_mode()
-def evaluate(model, inputs, labels, batch=500):
+def accuracy(model, inputs, labels, batch=500):
     """Accuracy on the labelled positions (the last one in test)."""
     model.eval()
     correct = total = 0
@@ -269,7 +267,7 @@ def train_one(attention, features, seed, data, cfg, dev):
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
     per_epoch, best, since_best = [], 0.0, 0
-    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500]))]
+    t0, epoch, step, curve = time.time(), 0, 0, [(0, accuracy(model, x_test[:500], y_test[:500]))]
     for epoch in range(1, cfg["epochs"] + 1):
         total = 0.0
         perm = torch.randperm(len(x_train), generator=g)
@@ -284,10 +282,10 @@ def train_one(attention, features, seed, data, cfg, dev):
             total += loss.item() * len(idx)
             step += 1
             if step % cfg["eval_every"] == 0:
-                curve.append((step, evaluate(model, x_test[:500], y_test[:500])))
+                curve.append((step, accuracy(model, x_test[:500], y_test[:500])))
         if name == "oal" and epoch == 1:
             regroup_oal(model, x_train[:256])
-        acc = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
+        acc = accuracy(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
         per_epoch.append(acc)
         best, since_best = (acc, 0) if acc > best else (best, since_best + (step > warm))  # not counted in warm-up
         print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
@@ -298,7 +296,7 @@ def train_one(attention, features, seed, data, cfg, dev):
     seconds = time.time() - t0
     mass, ent, rows = lookup_stats(model, x_test[:200])
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
-    return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test),
+    return {"attention": attention, "seed": seed, "test_acc": accuracy(model, x_test, y_test),
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
             "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),

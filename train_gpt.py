@@ -145,11 +145,6 @@ def main(cfg):
         opt.step()
     seconds = time.time() - t0
     if ddp:
-        flat = torch.cat([p.detach().flatten() for p in raw.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(gathered, flat)  # every rank's weights: DDP keeps them identical
-        if master:
-            print(f"ranks in sync: {all(torch.equal(g, flat) for g in gathered)}")
         dist.barrier()  # both ranks done with gloo before either tears it down (else an abort at exit)
         dist.destroy_process_group()
     if not master:
