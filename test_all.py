@@ -671,7 +671,7 @@ class NoFloat64(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for x in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+        for x in torch.utils._pytree.tree_flatten((args, kwargs, out))[0]:
             if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
                 raise AssertionError(f"float64 in {func}")
         return out
