@@ -1,5 +1,6 @@
 """
-Softmax attention, linear attention in all its forms, and the multi-head attention module every model uses.
+Softmax attention, linear attention in all its forms, LoLCATs' window + linear hybrid, and the
+multi-head attention module every model uses.
 
 Softmax attention (Hedgehog Sec. 2):   y_i = sum_j softmax_j(q_i . k_j / sqrt(D)) v_j
 Linear attention (Hedgehog Sec. 2, OAL Sec. 2), with features qf = phi_q(q), kf = phi_k(k):
@@ -23,7 +24,15 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     entropy(weights) -> (B, H, T) row entropies in nats
     linear_attention_chunked(qf, kf, v, chunk=64)
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
-    MultiHeadAttention(d_model, n_head, attention="softmax" | any name in feature_maps.FEATURE_MAPS, qk_dim=None)
+LoLCATs' hybrid (softmax over the last w tokens, linear attention beyond; see its section below) and
+the window alone, in three forms each (test_all.py checks them against a float64 loop):
+    hybrid_attention_quadratic(q, k, qf, kf, v, window, gate)   O(T^2), hybrid_weights(...) the weights
+    hybrid_attention(q, k, qf, kf, v, window, gate)             causal, O(T), by chunks
+    hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache) -> (y_t, cache)
+    sliding_window_attention(q, k, v, window)                   swa: the hybrid without features
+The Triton kernels are linear-only: the hybrid and swa run these PyTorch forms.
+The modules:
+    MultiHeadAttention(d_model, n_head, attention: a name in ATTENTIONS, qk_dim=None, window=64)
     Block(d_model, n_head, attention, mlp_ratio=4): the pre-norm Transformer block of every model here
 """
 import math
@@ -32,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from feature_maps import _fp32, make_feature_map
+from feature_maps import FEATURE_MAPS, _fp32, make_feature_map
 from kernel import EPS, causal_linear_attention  # EPS = 1e-6, the linear attention denominator's guard
 
 DISTILL_EPS = 1e-12  # the normaliser of the weights Hedgehog distils (Sec. 4.2)
@@ -146,13 +155,115 @@ def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=EPS):
     return (num / den).to(v_t.dtype), (S, z)
 
 
+# ----------------------------------------------------------------------------------------------
+# LoLCATs' hybrid: softmax over a sliding window, linear attention beyond it (Zhang et al. 2024, Sec. 3.2)
+#
+#   y_i = (g sum_{j in W(i)} e^{s_ij - m_i} v_j + sum_{j <= i-w} qf_i . kf_j v_j)
+#       / (g sum_{j in W(i)} e^{s_ij - m_i}     + sum_{j <= i-w} qf_i . kf_j)
+#
+# W(i) = {j : i-w < j <= i}, the last w tokens, i itself included; s = q.k / sqrt(D); m_i is the
+# largest score in the window only; g = sigmoid(w_h) is learned per head (LoLCATs' configs start at
+# g = 0.1). Subtracting m_i from the window alone, and not from the linear terms, sets the balance of
+# the two parts: the window's largest term is always g, so its total lies between g and g w whatever
+# the scale of the scores, and the linear terms compete with that. Sharper window scores (a larger m_i)
+# therefore do not drown the linear part, as they would under one softmax over both. It also means the
+# hybrid is not softmax even if qf . kf were exactly e^{s} and g = 1: softmax would scale the linear
+# terms by the same e^{-m_i} as the window's. No eps: the denominator is at least g.
+# swa, the window-only baseline, is the same with no features (F = 0): g cancels.
+
+
+def _gate(gate, like):
+    """g as a tensor that broadcasts over (B, H, T, T'): a float, or one value per head (H,)."""
+    return torch.as_tensor(gate, dtype=like.dtype, device=like.device).reshape(-1, 1, 1)
+
+
+def _window_scores(q, k, in_window):
+    """g-less window terms e^{s_ij - m_i}, 0 outside the window; q (B, H, Tq, D), k (B, H, Tk, D)."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    s = s.masked_fill(~in_window, float("-inf"))
+    return (s - s.amax(-1, keepdim=True)).exp()
+
+
+def hybrid_weights(q, k, qf, kf, window, gate, causal=True):
+    """The hybrid's (B, H, T, T) attention weights, every row summing to 1. causal=False (an encoder):
+    the window is the band |i - j| < w on both sides, linear attention the rest."""
+    q, k, qf, kf = (_fp32(x) for x in (q, k, qf, kf))
+    T = q.shape[2]
+    pos = torch.arange(T, device=q.device)
+    d = pos[:, None] - pos[None, :]  # (T, T): i - j
+    in_window = (d >= 0) & (d < window) if causal else d.abs() < window
+    in_linear = d >= window if causal else d.abs() >= window
+    a = _gate(gate, q) * _window_scores(q, k, in_window) + (qf @ kf.transpose(-1, -2)) * in_linear
+    return a / a.sum(-1, keepdim=True)
+
+
+def hybrid_attention_quadratic(q, k, qf, kf, v, window, gate, causal=True):
+    """The hybrid with its weights materialised: O(T^2), the reference the other forms must equal."""
+    return (hybrid_weights(q, k, qf, kf, window, gate, causal) @ _fp32(v)).to(v.dtype)
+
+
+def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
+    """The causal hybrid in O(T): by chunks of C = max(chunk, window) tokens. A query of chunk n sees
+    the keys of its own chunk and of chunk n-1 directly (up to 2C of them), each either in its window
+    or in the masked linear block, and everything before chunk n-1 (at least C + 1 > w tokens back) through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
+    q, k, qf, kf, vf = (_fp32(x) for x in (q, k, qf, kf, v))
+    B, H, T, _ = q.shape
+    C, g = max(chunk, window), _gate(gate, q)
+    S = q.new_zeros(B, H, qf.shape[-1], vf.shape[-1])  # the chunks before the previous one
+    z = q.new_zeros(B, H, qf.shape[-1], 1)
+    ys = []
+    for start in range(0, T, C):
+        lo, end = max(0, start - C), min(T, start + C)  # keys: the previous chunk and this one
+        d = torch.arange(start, end, device=q.device)[:, None] - torch.arange(lo, end, device=q.device)[None, :]  # i - j
+        q_c, qf_c = q[:, :, start:end], qf[:, :, start:end]
+        a = g * _window_scores(q_c, k[:, :, lo:end], (d >= 0) & (d < window))  # (B, H, C, <= 2C)
+        a = a + (qf_c @ kf[:, :, lo:end].transpose(-1, -2)) * (d >= window)
+        num = a @ vf[:, :, lo:end] + qf_c @ S  # (B, H, C, Dv)
+        den = a.sum(-1, keepdim=True) + qf_c @ z  # (B, H, C, 1)
+        ys.append(num / den)
+        S = S + kf[:, :, lo:start].transpose(-1, -2) @ vf[:, :, lo:start]  # the previous chunk moves into the state
+        z = z + kf[:, :, lo:start].sum(2).unsqueeze(-1)
+    return torch.cat(ys, dim=2).to(v.dtype)
+
+
+def sliding_window_attention(q, k, v, window, chunk=64):
+    """swa: softmax over the last `window` tokens (W(i) above), nothing beyond: the hybrid without features."""
+    return hybrid_attention(q, k, q[..., :0], k[..., :0], v, window, 1.0, chunk)
+
+
+def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
+    """One token of the causal hybrid. q_t, k_t (B, H, D), qf_t, kf_t (B, H, F), v_t (B, H, Dv).
+    cache: the window's keys and values and their features, (B, H, <= w, .), and the state (S, z) of
+    every older token, float32; None to start. Constant in size once the window is full. Returns
+    (y_t (B, H, Dv), cache). With F = 0 features it is swa's step."""
+    q, k, qf, kf, vf = (_fp32(x)[:, :, None] for x in (q_t, k_t, qf_t, kf_t, v_t))  # (B, H, 1, .)
+    if cache is None:
+        cache = {"k": k[:, :, :0], "v": vf[:, :, :0], "kf": kf[:, :, :0],
+                 "S": q.new_zeros(*kf.shape[:2], kf.shape[-1], vf.shape[-1]), "z": q.new_zeros(*kf.shape[:2], kf.shape[-1], 1)}
+    keys, values, feats = (torch.cat([cache[n], x], 2) for n, x in (("k", k), ("v", vf), ("kf", kf)))
+    S, z = cache["S"], cache["z"]
+    if keys.shape[2] > window:  # the oldest token leaves the window for the state
+        S = S + feats[:, :, :1].transpose(-1, -2) @ values[:, :, :1]
+        z = z + feats[:, :, :1].transpose(-1, -2)
+        keys, values, feats = keys[:, :, 1:], values[:, :, 1:], feats[:, :, 1:]
+    a = _gate(gate, q) * _window_scores(q, keys, torch.ones(1, keys.shape[2], dtype=torch.bool, device=q.device))  # (B, H, 1, n)
+    y = (a @ values + qf @ S) / (a.sum(-1, keepdim=True) + qf @ z)  # (B, H, 1, Dv)
+    return y[:, :, 0].to(v_t.dtype), {"k": keys, "v": values, "kf": feats, "S": S, "z": z}
+
+
+WINDOWED = ("swa", "lolcats")  # attentions with a sliding window: alone, or LoLCATs' hybrid
+ATTENTIONS = ("softmax", *WINDOWED, *FEATURE_MAPS)
+
+
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with softmax or any feature map: x (B, T, C) -> (B, T, C).
+    """Multi-head attention with softmax, a sliding window, LoLCATs' hybrid or any feature map:
+    x (B, T, C) -> (B, T, C).
 
     Separate q, k, v, o projections (convert.py puts LoRA adapters on each), with biases if bias=True.
-    attention="softmax" uses F.scaled_dot_product_attention; any other name builds the feature map
-    make_feature_map(attention, qk_dim, n_head, **fmap_options), one set of parameters per head
-    (Hedgehog App. A.2).
+    attention (see use()): "softmax" (F.scaled_dot_product_attention); "swa", softmax over the last
+    `window` tokens; "lolcats", that window plus linear attention with Hedgehog maps beyond it and a
+    learned gate per head; or any feature map name, built as make_feature_map(attention, qk_dim, n_head,
+    **fmap_options), one set of parameters per head (Hedgehog App. A.2).
     qk_dim: the head size of q and k (default C / n_head, the size of v): the feature size F of a map
     follows from it, so setting it per map is how train_ar.py gives every map the same F.
     max_len: the longest sequence the layer will see; cosFormer's fixed length M (so that it can decode
@@ -161,7 +272,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model, n_head, attention="softmax", causal=True, bias=False, qk_dim=None,
-                 max_len=None, attn_dropout=0.0, **fmap_options):
+                 max_len=None, attn_dropout=0.0, window=64, **fmap_options):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
@@ -171,15 +282,41 @@ class MultiHeadAttention(nn.Module):
         self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(2))
         if attention == "cosformer":
             fmap_options.setdefault("max_len", max_len)
-        self.fmap = None if attention == "softmax" else make_feature_map(attention, self.qk_dim, n_head, **fmap_options)
+        self.use(attention, window, **fmap_options)
+
+    def use(self, attention, window=64, gate=0.1, **fmap_options):
+        """Set what mixes q, k, v (the projections stay): a fresh feature map, the window size for swa and
+        lolcats, and lolcats' gates g = sigmoid(w_h), starting at `gate`. convert.py swaps layers with it.
+        lolcats' map is Hedgehog as in LoLCATs' configs: a softmax per half, separate maps for q and k."""
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
+        if attention in WINDOWED and window < 1:
+            raise ValueError(f"{attention}: window must be at least 1, got {window}")
+        self.attention, self.window = attention, window if attention in WINDOWED else 0
+        if attention == "lolcats":
+            attention = "hedgehog"
+            fmap_options = {"mode": "softmax_halves", "separate_qk": True, **fmap_options}
+        device = self.q.weight.device
+        self.fmap = None if attention in ("softmax", "swa") else make_feature_map(attention, self.qk_dim, self.n_head, **fmap_options).to(device)
+        self.gate = nn.Parameter(torch.full((self.n_head,), math.log(gate / (1 - gate)), device=device)) if self.attention == "lolcats" else None
 
     def heads(self, x):
         """x (B, T, C) -> q, k (B, H, T, qk_dim) and v (B, H, T, D)."""
         split = lambda y: y.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
         return split(self.q(x)), split(self.k(x)), split(self.v(x))
 
+    def features(self, q, k, offset=0):
+        """(qf, kf) of the layer's map; zero-width for swa, whose window alone attends."""
+        return (q[..., :0], k[..., :0]) if self.fmap is None else self.fmap(q, k, offset=offset)
+
     def mix(self, q, k, v):
         """The attention itself on (B, H, T, .) heads -> (B, H, T, D)."""
+        if self.window:
+            qf, kf = self.features(q, k)
+            g = 1.0 if self.gate is None else self.gate.sigmoid()
+            if self.causal:
+                return hybrid_attention(q, k, qf, kf, v, self.window, g)
+            return hybrid_attention_quadratic(q, k, qf, kf, v, self.window, g, causal=False)
         if self.fmap is None:
             p = self.attn_dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
@@ -193,16 +330,30 @@ class MultiHeadAttention(nn.Module):
     def weights(self, x):
         """(B, H, T, T) attention weights of this layer on input x, exactly the ones forward() uses (same eps)."""
         q, k, _ = self.heads(x)
+        return self.weights_of(q, k)
+
+    def weights_of(self, q, k):
+        """(B, H, T, T) weights of this layer for given q, k (the teacher's, in distillation)."""
+        if self.window:
+            g = 1.0 if self.gate is None else self.gate.sigmoid()
+            return hybrid_weights(q, k, *self.features(q, k), self.window, g, self.causal)
         return attention_weights(q, k, self.fmap, causal=self.causal, eps=EPS)
 
     def step(self, x_t, cache=None):
         """Decode one token: x_t (B, C) -> (y_t (B, C), cache). Softmax keeps every key and value (a KV
-        cache that grows with t); linear attention keeps the fixed-size state (S, z)."""
+        cache that grows with t); linear attention keeps the fixed-size state (S, z); swa and lolcats keep
+        the window's keys and values, and lolcats the state of everything older too."""
         if not self.causal:
             raise ValueError("step() is for causal attention")
         q, k, v = self.heads(x_t[:, None])  # (B, H, 1, D)
         t = 0 if cache is None else cache["t"]
-        if self.fmap is None:
+        if self.window:
+            qf, kf = self.features(q, k, offset=t)
+            g = 1.0 if self.gate is None else self.gate.sigmoid()
+            y, inner = hybrid_attention_step(q[:, :, 0], k[:, :, 0], qf[:, :, 0], kf[:, :, 0], v[:, :, 0], self.window, g,
+                                             None if cache is None else cache["window"])
+            cache = {"t": t + 1, "window": inner}
+        elif self.fmap is None:
             if cache is not None:
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             y = F.scaled_dot_product_attention(q, k, v)[:, :, 0]  # the new token sees every cached one
@@ -219,10 +370,10 @@ class Block(nn.Module):
     mlp_ratio = 0 leaves the MLP out (attention-only blocks). The other arguments go to MultiHeadAttention."""
 
     def __init__(self, d_model, n_head, attention="softmax", mlp_ratio=4, causal=True, bias=False, qk_dim=None,
-                 max_len=None, attn_dropout=0.0, **fmap_options):
+                 max_len=None, attn_dropout=0.0, window=64, **fmap_options):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_head, attention, causal, bias, qk_dim, max_len, attn_dropout, **fmap_options)
+        self.attn = MultiHeadAttention(d_model, n_head, attention, causal, bias, qk_dim, max_len, attn_dropout, window, **fmap_options)
         self.mlp = None
         if mlp_ratio:
             self.ln2 = nn.LayerNorm(d_model)

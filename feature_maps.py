@@ -245,10 +245,11 @@ class Hedgehog(FeatureMap):
     (halves: each half sums to 1; all: the whole vector sums to 1), and both stay finite in bf16/fp16
     for any input because a softmax subtracts its max. The default is the single softmax. The exp
     mode is stabilised like `exp` (exact query-side max, key-side clamp at e^60).
-    As in the paper, queries and keys of a head share one map.
+    As in the paper, queries and keys of a head share one map; separate_qk=True gives keys their own
+    (W_k, b_k), as LoLCATs' configs do (mode="softmax_halves", separate_qk=True is its map).
     """
 
-    def __init__(self, head_dim, num_heads=1, mode="softmax"):
+    def __init__(self, head_dim, num_heads=1, mode="softmax", separate_qk=False):
         super().__init__(head_dim, num_heads)
         if mode not in ("softmax", "softmax_halves", "exp"):
             raise ValueError(f"hedgehog: mode must be 'softmax', 'softmax_halves' or 'exp', got {mode!r}")
@@ -256,11 +257,14 @@ class Hedgehog(FeatureMap):
         eye = torch.eye(head_dim).expand(num_heads, head_dim, head_dim)
         self.W = nn.Parameter(eye.clone())  # (H, D, D), y = x @ W + b
         self.b = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
+        self.Wk = nn.Parameter(eye.clone()) if separate_qk else None
+        self.bk = nn.Parameter(torch.zeros(num_heads, 1, head_dim)) if separate_qk else None
 
     def forward(self, q, k, offset=0):
         q, k = _fp32(q), _fp32(k)
+        Wk, bk = (self.W, self.b) if self.Wk is None else (self.Wk, self.bk)
         yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)  # (B, H, T, D)
-        yk = k @ self.W.to(k.dtype) + self.b.to(k.dtype)
+        yk = k @ Wk.to(k.dtype) + bk.to(k.dtype)
         yq, yk = torch.cat([yq, -yq], dim=-1), torch.cat([yk, -yk], dim=-1)  # (B, H, T, 2D)
         if self.mode == "exp":
             return stable_exp_qk(yq, yk)
