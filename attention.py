@@ -20,7 +20,7 @@ States and sums are float32 whatever the input dtype.
 Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interface:
     softmax_attention(q, k, v, causal=True)
     linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto")
-    attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS) -> (B, H, T, T) normalised weights
+    attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS, window=0, gate=1.0) -> (B, H, T, T) weights
     entropy(weights) -> (B, H, T) row entropies in nats
     linear_attention_chunked(qf, kf, v, chunk=64)
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
@@ -74,10 +74,14 @@ def linear_weights(qf, kf, causal=True, eps=EPS):
     return _normalise(_fp32(qf) @ _fp32(kf).transpose(-1, -2), causal, eps)
 
 
-def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS):
+def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS, window=0, gate=1.0):
     """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap's
     kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for OAL).
-    eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows."""
+    eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows.
+    window > 0: LoLCATs' hybrid weights with gate g (hybrid_weights), or swa's if fmap is None."""
+    if window:
+        qf, kf = (q[..., :0], k[..., :0]) if fmap is None else fmap(q, k)
+        return hybrid_weights(q, k, qf, kf, window, gate, causal)
     if fmap is not None:
         return _normalise(fmap.scores(q, k), causal, eps)
     s = _fp32(q) @ _fp32(k).transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T) logits
@@ -300,6 +304,10 @@ class MultiHeadAttention(nn.Module):
         self.fmap = None if attention in ("softmax", "swa") else make_feature_map(attention, self.qk_dim, self.n_head, **fmap_options).to(device)
         self.gate = nn.Parameter(torch.full((self.n_head,), math.log(gate / (1 - gate)), device=device)) if self.attention == "lolcats" else None
 
+    def g(self):
+        """lolcats' gate per head, sigmoid(w_h) (H,); 1 for swa, where it cancels."""
+        return 1.0 if self.gate is None else self.gate.sigmoid()
+
     def heads(self, x):
         """x (B, T, C) -> q, k (B, H, T, qk_dim) and v (B, H, T, D)."""
         split = lambda y: y.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
@@ -313,10 +321,9 @@ class MultiHeadAttention(nn.Module):
         """The attention itself on (B, H, T, .) heads -> (B, H, T, D)."""
         if self.window:
             qf, kf = self.features(q, k)
-            g = 1.0 if self.gate is None else self.gate.sigmoid()
             if self.causal:
-                return hybrid_attention(q, k, qf, kf, v, self.window, g)
-            return hybrid_attention_quadratic(q, k, qf, kf, v, self.window, g, causal=False)
+                return hybrid_attention(q, k, qf, kf, v, self.window, self.g())
+            return hybrid_attention_quadratic(q, k, qf, kf, v, self.window, self.g(), causal=False)
         if self.fmap is None:
             p = self.attn_dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
@@ -330,14 +337,7 @@ class MultiHeadAttention(nn.Module):
     def weights(self, x):
         """(B, H, T, T) attention weights of this layer on input x, exactly the ones forward() uses (same eps)."""
         q, k, _ = self.heads(x)
-        return self.weights_of(q, k)
-
-    def weights_of(self, q, k):
-        """(B, H, T, T) weights of this layer for given q, k (the teacher's, in distillation)."""
-        if self.window:
-            g = 1.0 if self.gate is None else self.gate.sigmoid()
-            return hybrid_weights(q, k, *self.features(q, k), self.window, g, self.causal)
-        return attention_weights(q, k, self.fmap, causal=self.causal, eps=EPS)
+        return attention_weights(q, k, self.fmap, self.causal, EPS, self.window, self.g())
 
     def step(self, x_t, cache=None):
         """Decode one token: x_t (B, C) -> (y_t (B, C), cache). Softmax keeps every key and value (a KV
@@ -349,8 +349,7 @@ class MultiHeadAttention(nn.Module):
         t = 0 if cache is None else cache["t"]
         if self.window:
             qf, kf = self.features(q, k, offset=t)
-            g = 1.0 if self.gate is None else self.gate.sigmoid()
-            y, inner = hybrid_attention_step(q[:, :, 0], k[:, :, 0], qf[:, :, 0], kf[:, :, 0], v[:, :, 0], self.window, g,
+            y, inner = hybrid_attention_step(q[:, :, 0], k[:, :, 0], qf[:, :, 0], kf[:, :, 0], v[:, :, 0], self.window, self.g(),
                                              None if cache is None else cache["window"])
             cache = {"t": t + 1, "window": inner}
         elif self.fmap is None:

@@ -35,14 +35,14 @@ import torch.nn as nn
 import distill
 from attention import attention_weights, entropy
 from configurator import configure, pick_device, pyplot
-from feature_maps import make_feature_map
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
 ckpt = "out/softmax/ckpt.pt"  # a train_gpt.py checkpoint of a softmax GPT
 init = "ckpt"  # "ckpt", or a pretrained GPT-2 name for transformers: "gpt2", "gpt2-medium", ...
 data = "pydoc"  # with --init=gpt2*: "pydoc", "wikitext103" (downloads) or a .txt file
-methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"
+methods = "softmax,t2r,t2r-hh,hedgehog,hedgehog-untrained,quadratic,oal"  # also swa, lolcats, lolcats-untrained
+window = 16  # swa and lolcats: the softmax window w, in tokens (LoLCATs: 64 of 2K+; our context is 128)
 layers = "all"  # "all", or "middle": softmax stays in the first and last layers (OAL Sec. 5.2)
 distill_iters = 60
 distill_lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
@@ -60,13 +60,16 @@ plots = True
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
-METHODS = {  # method: (feature map, stage-1 loss or None for no distillation)
+METHODS = {  # method: (attention behind q, k, v, stage-1 loss or None for no distillation)
     "t2r": ("t2r", None),  # swap and finetune (Kasai et al.)
     "t2r-hh": ("t2r", "xent"),  # T2R trained with Hedgehog's loss
     "hedgehog": ("hedgehog", "xent"),
     "hedgehog-untrained": ("hedgehog", None),  # the ablation: the Hedgehog map, no distillation
     "quadratic": ("quadratic", "mse"),  # OAL's learned global quadratic, output calibration
     "oal": ("oal", "mse"),
+    "swa": ("swa", None),  # the window alone: what the linear part of lolcats adds
+    "lolcats": ("lolcats", "mse"),  # window + Hedgehog maps, attention transfer by output MSE (LoLCATs Sec. 3)
+    "lolcats-untrained": ("lolcats", None),  # the hybrid without the transfer (LoLCATs Table 6)
 }
 
 
@@ -90,11 +93,15 @@ def add_lora(model, r, alpha):
             setattr(block.attn, name, LoRA(getattr(block.attn, name), r, alpha))
 
 
-def swap(model, fmap_name, layer_ids):
-    """Put a fresh feature map behind q, k, v, o of the given layers (their weights are kept)."""
+def swap(model, attention, layer_ids, window=16):
+    """Put a fresh feature map, window or hybrid behind q, k, v, o of the given layers (their weights are kept)."""
     for i in layer_ids:
-        attn = model.blocks[i].attn
-        attn.fmap = make_feature_map(fmap_name, attn.qk_dim, attn.n_head).to(attn.q.weight.device)
+        model.blocks[i].attn.use(attention, window)
+
+
+def trainable_attention(attn):
+    """What stage 1 trains in a converted layer: its feature map, and lolcats' gates."""
+    return ([] if attn.fmap is None else list(attn.fmap.parameters())) + ([] if attn.gate is None else [attn.gate])
 
 
 def set_oal_groups(model, teacher, idx, layer_ids):
@@ -111,7 +118,7 @@ def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
     best on a validation batch."""
     for p in model.parameters():
         p.requires_grad_(False)
-    params = [p for i in layer_ids for p in model.blocks[i].attn.fmap.parameters()]
+    params = [p for i in layer_ids for p in trainable_attention(model.blocks[i].attn)]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg["distill_lr"], weight_decay=0.0)
@@ -122,7 +129,8 @@ def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
         return distill.layer_qkv(teacher, x, layer_ids)
 
     def total_loss(qkv):  # summed over the converted layers
-        return sum(distill.distill_loss(model.blocks[i].attn.fmap, q, k, v, loss) for i, (q, k, v) in qkv.items())
+        attns = {i: model.blocks[i].attn for i in qkv}
+        return sum(distill.distill_loss(attns[i].fmap, q, k, v, loss, True, attns[i].window, attns[i].g()) for i, (q, k, v) in qkv.items())
 
     val = teacher_qkv(val_ids, torch.Generator().manual_seed(1))
     best, best_state = float("inf"), None
@@ -151,8 +159,8 @@ def finetune_model(model, train_ids, cfg, dev):
             p.requires_grad_(False)
         add_lora(model, cfg["lora_r"], cfg["lora_alpha"])
         for block in model.blocks:
-            if block.attn.fmap is not None:
-                block.attn.fmap.requires_grad_(True)
+            for p in trainable_attention(block.attn):
+                p.requires_grad_(True)
     else:
         model.requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -170,7 +178,9 @@ def finetune_model(model, train_ids, cfg, dev):
 
 def converted_mimicry(model, teacher, idx, layer_ids):
     """distill.mimicry averaged over the converted layers, on the teacher's q, k, v."""
-    rows = [distill.mimicry(q, k, v, model.blocks[i].attn.fmap) for i, (q, k, v) in distill.layer_qkv(teacher, idx, layer_ids).items()]
+    attns = {i: model.blocks[i].attn for i in layer_ids}
+    rows = [distill.mimicry(q, k, v, attns[i].fmap, True, True, attns[i].window, attns[i].g())
+            for i, (q, k, v) in distill.layer_qkv(teacher, idx, layer_ids).items()]
     return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
 
 
@@ -230,8 +240,8 @@ def main(cfg):
             continue
         fmap_name, loss = METHODS[name]
         model = copy.deepcopy(teacher)
-        swap(model, fmap_name, layer_ids)
-        print(f"{name}: {fmap_name} in layers {layer_ids}")
+        swap(model, fmap_name, layer_ids, cfg["window"])
+        print(f"{name}: {fmap_name} in layers {layer_ids}" + (f", window {cfg['window']}" if model.blocks[layer_ids[0]].attn.window else ""))
         if fmap_name == "oal":
             print(f"  oal groups per head, by layer: {set_oal_groups(model, teacher, calib, layer_ids)}")
         ppl_swap = ppl(model)
@@ -241,7 +251,8 @@ def main(cfg):
         fid = converted_mimicry(model, teacher, probe, layer_ids)
         trained = finetune_model(model, train_ids, cfg, dev)
         final = ppl(model)
-        record = {"method": name, "feature_map": fmap_name, "distill_loss": loss, "val_ppl_swap": ppl_swap,
+        record = {"method": name, "feature_map": fmap_name, "window": model.blocks[layer_ids[0]].attn.window,
+                  "distill_loss": loss, "val_ppl_swap": ppl_swap,
                   "val_ppl_distill": ppl_distill, "val_ppl": final, "trainable_params": trained,
                   "seconds": time.time() - t0, **fid}
         print(f"{name}: val ppl swap {ppl_swap:.2f} -> distil {ppl_distill:.2f} -> finetune {final:.2f}; "
@@ -291,7 +302,8 @@ def plot(teacher, converted, idx, layer, out_dir):
         return
     q, k, _ = distill.layer_qkv(teacher, idx[:1], [layer])[layer]  # (1, H, T, D), the teacher's
     weights = {"softmax": attention_weights(q, k)}
-    weights.update({n: attention_weights(q, k, m.blocks[layer].attn.fmap) for n, m in converted.items()})
+    attns = {n: m.blocks[layer].attn for n, m in converted.items()}
+    weights.update({n: attention_weights(q, k, a.fmap, window=a.window, gate=a.g()) for n, a in attns.items()})
     dots = (q @ k.transpose(-1, -2))[0, 0, -1]  # last query of head 0: q.k for every key
     n = len(weights)
     fig, axes = plt.subplots(1, n, figsize=(2.6 * n, 2.6), squeeze=False)

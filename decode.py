@@ -4,7 +4,8 @@ Generation, one token at a time: what linear attention buys (Hedgehog Sec. 1, 2;
 Softmax attention decodes with a KV cache: every new token attends to all T earlier keys and values,
 so its time and memory per token grow with the context T. Linear attention keeps a state of fixed size,
 S (F x Dv) and z (F) per head (attention.linear_attention_step), so its time and memory per token do not
-depend on T at all. This script measures both.
+depend on T at all. The window-only baseline (swa) keeps the last w keys and values, and LoLCATs' hybrid
+(lolcats) those plus the state: both constant once T >= w. This script measures all four.
 
     python decode.py                           # one layer at the Fig. 6 size, contexts 128 .. 32K, then the GPT
     python decode.py --contexts=1024,4096 --threads=4
@@ -20,12 +21,13 @@ import time
 
 import torch
 
-from attention import MultiHeadAttention
+from attention import ATTENTIONS, MultiHeadAttention
 from configurator import configure, pick_device, pyplot
 from gpt import GPT, load_checkpoint
 
 # ---- config: plain values, override with --key=value ----
-attentions = "softmax,hedgehog"  # softmax and any feature map names
+attentions = "softmax,hedgehog,swa,lolcats"  # any attention of attention.ATTENTIONS
+window = 64  # swa and lolcats: the softmax window (LoLCATs' size)
 heads = 12
 head_dim = 64
 contexts = "128,256,512,1024,2048,4096,8192,16384,32768"
@@ -40,18 +42,25 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 
 def cache_of_length(mha, T, dev):
     """The cache MultiHeadAttention.step would hold after T tokens, filled with random values: softmax's
-    keys and values (B, H, T, D), or linear attention's state (S, z), which does not grow with T."""
+    keys and values (B, H, T, D); linear attention's state (S, z), which does not grow with T; for swa and
+    lolcats the last min(T, w) keys, values and key features, and lolcats' state of the older tokens."""
     H, D = mha.n_head, mha.head_dim
+    q = torch.randn(1, H, 1, D, device=dev)
+    F_ = mha.features(q, q)[0].shape[-1]  # 0 for softmax and swa
+    if mha.window:
+        n = min(T, mha.window)
+        window = {"k": torch.randn(1, H, n, D, device=dev), "v": torch.randn(1, H, n, D, device=dev),
+                  "kf": torch.rand(1, H, n, F_, device=dev), "S": torch.rand(1, H, F_, D, device=dev),
+                  "z": torch.rand(1, H, F_, 1, device=dev)}
+        return {"t": T, "window": window}
     if mha.fmap is None:
         return {"t": T, "k": torch.randn(1, H, T, D, device=dev), "v": torch.randn(1, H, T, D, device=dev)}
-    q = torch.randn(1, H, 1, D, device=dev)
-    F_ = mha.fmap(q, q, offset=0)[0].shape[-1]
     S, z = torch.rand(1, H, F_, D, device=dev), torch.rand(1, H, F_, device=dev)
     return {"t": T, "state": (S, z)}
 
 
 def cache_bytes(cache):
-    tensors = [cache["k"], cache["v"]] if "k" in cache else list(cache["state"])
+    tensors = cache["window"].values() if "window" in cache else [cache["k"], cache["v"]] if "k" in cache else cache["state"]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -64,7 +73,7 @@ def sync(dev):
 def time_layer(name, T, cfg, dev):
     """Median seconds of one decoding step at context T, and the cache bytes."""
     torch.manual_seed(0)
-    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], name, max_len=T + cfg["tokens"] + 1).to(dev)
+    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], name, max_len=T + cfg["tokens"] + 1, window=cfg["window"]).to(dev)
     cache = cache_of_length(mha, T, dev)
     x = torch.randn(1, cfg["heads"] * cfg["head_dim"], device=dev)
     times = []
@@ -103,6 +112,8 @@ def main(cfg):
         torch.set_num_threads(cfg["threads"])
     where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({torch.get_num_threads()} thread)"
     names = [a for a in cfg["attentions"].split(",") if a]
+    if set(names) - set(ATTENTIONS):
+        raise SystemExit(f"error: unknown attention {sorted(set(names) - set(ATTENTIONS))}; valid: {', '.join(ATTENTIONS)}")
     lengths = [int(t) for t in cfg["contexts"].split(",") if t]
     records = []
     print(f"part 1: one layer, {cfg['heads']} heads of {cfg['head_dim']}, batch 1, one new token; {where}")

@@ -22,11 +22,12 @@ Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps mod
     layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
     distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, val=None) -> list of losses
     mimicry(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
+The last three also take window=w (with a gate): fmap is then the linear part of LoLCATs' hybrid.
     output_rel_mse(attn, fmap, q, k, v) -> (RelMSE per head, RelMSE after attn's output projection)
 """
 import torch
 
-from attention import EPS, _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
+from attention import DISTILL_EPS, EPS, _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
 
 
 @torch.no_grad()
@@ -50,8 +51,9 @@ def layer_qkv(model, ids, layer_ids):
     return out
 
 
-def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
-    """The distillation loss of fmap on frozen q, k (and v for "mse" / "both")."""
+def distill_loss(fmap, q, k, v=None, loss="xent", causal=True, window=0, gate=1.0):
+    """The distillation loss of fmap on frozen q, k (and v for "mse" / "both"). window > 0: of LoLCATs'
+    hybrid with fmap beyond the window and gate g (LoLCATs' attention transfer is loss="mse")."""
     if loss not in ("xent", "mse", "both"):
         raise ValueError(f"loss must be 'xent', 'mse' or 'both', got {loss!r}")
     if loss != "xent" and v is None:
@@ -60,26 +62,29 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True):
     if loss in ("xent", "both"):
         with torch.no_grad():
             teacher = attention_weights(q, k, causal=causal)  # (B, H, T, T), fp32
-        student = attention_weights(q, k, fmap, causal=causal)  # rows normalised with DISTILL_EPS
+        student = attention_weights(q, k, fmap, causal, DISTILL_EPS, window, gate)
         total = total - (teacher * student.clamp_min(1e-12).log()).sum(-1).mean()
     if loss in ("mse", "both"):
         with torch.no_grad():
             target = softmax_attention(q, k, _fp32(v), causal=causal)
-        out = attention_weights(q, k, fmap, causal=causal, eps=EPS) @ _fp32(v)  # linear_attention_quadratic's output
+        out = attention_weights(q, k, fmap, causal, EPS, window, gate) @ _fp32(v)  # the O(T^2) form's output
         total = total + (out - target).pow(2).mean()
     return total
 
 
-def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True, val=None, eval_every=10):
+def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, causal=True, val=None, eval_every=10,
+                        window=0, gate_logit=None):
     """Train fmap's parameters (only those) on frozen q, k, v with AdamW (Hedgehog: lr 1e-2, no weight
     decay). Returns the training loss at every step. The O(T^2) forms are used: this is for the short
     calibration sequences of one layer; a model-wide run distils every layer with one optimiser.
 
     Group an OAL map first (fmap.set_groups_from on the same q, k: OAL App. B). val = (q, k, v) of held-out
     windows: the loss there is checked every eval_every steps and the best parameters are kept (OAL selects
-    its factors by validation output MSE).
+    its factors by validation output MSE). window > 0: fmap is the linear part of LoLCATs' hybrid, and
+    gate_logit, its (H,) gate before the sigmoid, trains with it.
     """
-    params = [p for p in fmap.parameters() if p.requires_grad]
+    params = [p for p in fmap.parameters() if p.requires_grad] + ([] if gate_logit is None else [gate_logit])
+    gate = (lambda: 1.0) if gate_logit is None else gate_logit.sigmoid
     if not params:
         raise ValueError(f"{type(fmap).__name__} has no parameters to distil (it is a fixed map)")
     q, k = q.detach(), k.detach()
@@ -89,12 +94,12 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
     for step in range(steps + 1):
         if val is not None and (step % eval_every == 0 or step == steps):
             with torch.no_grad():
-                held_out = distill_loss(fmap, *val, loss=loss, causal=causal).item()
+                held_out = distill_loss(fmap, *val, loss, causal, window, gate()).item()
             if held_out < best:
                 best, best_params = held_out, [p.detach().clone() for p in params]
         if step == steps:
             break
-        value = distill_loss(fmap, q, k, v, loss, causal)
+        value = distill_loss(fmap, q, k, v, loss, causal, window, gate())
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
@@ -121,14 +126,15 @@ def spearman_rows(x, y, causal=True):
 
 
 @torch.no_grad()
-def mimicry(q, k, v, fmap, causal=True, monotonicity=True):
-    """How well fmap's linear attention mimics softmax on these q, k, v: see the module docstring.
-    monotonicity=False skips its per-row loop (slow for long sequences)."""
+def mimicry(q, k, v, fmap, causal=True, monotonicity=True, window=0, gate=1.0):
+    """How well fmap's linear attention (window > 0: LoLCATs' hybrid, or swa if fmap is None) mimics
+    softmax on these q, k, v: see the module docstring. monotonicity=False skips its per-row loop (slow
+    for long sequences)."""
     a = attention_weights(q, k, causal=causal)  # (B, H, T, T) teacher
-    ahat = attention_weights(q, k, fmap, causal=causal)
+    ahat = attention_weights(q, k, fmap, causal, DISTILL_EPS, window, gate)
     kl = (a * (a.clamp_min(1e-30).log() - ahat.clamp_min(1e-30).log())).sum(-1).mean()
     o = softmax_attention(q, k, _fp32(v), causal=causal)  # (B, H, T, Dv)
-    ohat = linear_attention_quadratic(*fmap(q, k), _fp32(v), causal=causal)
+    ohat = attention_weights(q, k, fmap, causal, EPS, window, gate) @ _fp32(v)  # the output the model computes
     rel_mse = ((ohat - o).pow(2).sum((1, 2, 3)) / o.pow(2).sum((1, 2, 3))).mean()
     out = {"kl": kl.item(), "rel_mse": rel_mse.item(), "entropy": entropy(ahat).mean().item(),
            "entropy_softmax": entropy(a).mean().item()}
@@ -138,11 +144,14 @@ def mimicry(q, k, v, fmap, causal=True, monotonicity=True):
 
 
 @torch.no_grad()
-def output_rel_mse(attn, fmap, q, k, v):
+def output_rel_mse(attn, fmap, q, k, v, window=0, gate=1.0):
     """OAL's RelMSE ||O_lin - O_soft||^2 / ||O_soft||^2 of one layer, attn (a MultiHeadAttention) with fmap
     behind its q, k, v: per head on the attention outputs (a list of H), and after the output projection o."""
     o = softmax_attention(q, k, v, causal=attn.causal)  # (B, H, T, D)
-    ohat = linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal)
+    if window:  # LoLCATs' hybrid with fmap beyond the window (swa if fmap is None)
+        ohat = attention_weights(q, k, fmap, attn.causal, EPS, window, gate) @ _fp32(v)
+    else:
+        ohat = linear_attention_quadratic(*fmap(q, k), v, causal=attn.causal)
     per_head = ((ohat - o).pow(2).sum((2, 3)) / o.pow(2).sum((2, 3))).mean(0)  # (H,)
     y, yhat = (attn.o(x.transpose(1, 2).flatten(2)) for x in (o, ohat))  # (B, T, C): heads merged, projected
     return per_head.tolist(), ((yhat - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))).mean().item()

@@ -12,7 +12,9 @@ from its first 80%, held-out windows and sentences from the rest. Four parts:
     learned ones distilled on the calibration windows (Hedgehog's cross-entropy on the weights; OAL's
     output MSE for quadratic and oal, oal after its contribution-based grouping). Scored on held-out
     windows: KL to the softmax weights, output RelMSE per head and after the output projection,
-    entropy, monotonicity (distill.fidelity).
+    entropy, monotonicity (distill.mimicry). Also LoLCATs' hybrid (lolcats: softmax within the window,
+    Hedgehog maps beyond it, attention transfer by output MSE) and the window alone (swa). MiniLM is
+    bidirectional, so its window is the band |i - j| < window around each query (2 window - 1 keys).
  2. Contribution scores (OAL Fig. 1): per dimension mean |q|, mean |k| and share of sum_l |q_l k_l|;
     how much the top 10% of dimensions carry; the groups OAL finds.
  3. Length generalisation (Hedgehog Table 5): the same maps, distilled at seq_len, scored on held-out
@@ -36,15 +38,16 @@ import torch.nn.functional as F
 
 import distill
 import pretrained
-from attention import attention_weights
+from attention import ATTENTIONS, attention_weights
 from configurator import configure, pyplot
-from feature_maps import FEATURE_MAPS, contribution_scores, make_feature_map
+from feature_maps import contribution_scores
 from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
 model = "minilm"  # "minilm" (offline) or a GPT-2 name for transformers ("gpt2", "gpt2-medium", ...)
 text = "pydoc"  # "pydoc" (the Python reference manual) or a .txt file: calibration from its first 80%, held out the rest
-maps = "elu,relu,exp,performer,cosformer,taylor,dijiang,taylorshift,t2r,hedgehog,quadratic,oal"
+maps = "elu,relu,exp,performer,cosformer,taylor,dijiang,taylorshift,t2r,hedgehog,quadratic,oal,swa,lolcats"
+window = 8  # swa and lolcats: keys within this distance of the query (both sides in an encoder)
 layers = "all"  # "all" or a comma-separated list of layer indices
 seq_len = 64  # calibration and scoring windows, in tokens
 lengths = "128,256,512"  # longer held-out windows for part 3 (MiniLM has 512 positions)
@@ -53,7 +56,7 @@ val = 8  # held-out windows from the calibration text: the best checkpoint of ea
 test = 8  # held-out windows per length
 steps = 100  # distillation steps per layer and map (full batch of calibration windows)
 lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
-convert_maps = "elu,t2r,hedgehog,taylor,quadratic,oal"
+convert_maps = "elu,t2r,hedgehog,taylor,quadratic,oal,swa,lolcats"
 sentences = 100  # held-out sentences for the MiniLM embedding check
 seed = 0
 results = ""  # default results/fidelity_<model>.json
@@ -61,7 +64,7 @@ plots = True
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
-LOSS = {"quadratic": "mse", "oal": "mse"}  # OAL's output calibration; every other learned map: Hedgehog's
+LOSS = {"quadratic": "mse", "oal": "mse", "lolcats": "mse"}  # output MSE (OAL, LoLCATs); every other learned map: Hedgehog's
 
 
 def held_out_sentences(text, encode, special, n, max_tokens):
@@ -77,17 +80,24 @@ def held_out_sentences(text, encode, special, n, max_tokens):
     return out
 
 
-def build_map(name, attn, calib, val, cfg):
-    """A feature map for one layer's heads, distilled on the calibration (q, k, v) when it has parameters,
-    keeping the best checkpoint on the held-out val (q, k, v). OAL is grouped first from the calibration
-    q, k (OAL App. B). Returns (map, None or OAL's group of every dimension, (H, D) as lists)."""
-    fmap = make_feature_map(name, attn.head_dim, attn.n_head)
+def build_student(name, attn, calib, val, cfg):
+    """A copy of one layer's attention (same projections) with attention `name` behind its q, k, v; its
+    feature map (and lolcats' gates) distilled on the calibration (q, k, v) when it has parameters, keeping
+    the best checkpoint on the held-out val (q, k, v). OAL is grouped first from the calibration q, k
+    (OAL App. B). Returns (student, None or OAL's group of every dimension, (H, D) as lists)."""
+    student = copy.deepcopy(attn)
+    student.use(name, cfg["window"])
     if name == "oal":
-        fmap.set_groups_from(calib[0], calib[1], attn.causal)
-    if any(p.requires_grad for p in fmap.parameters()):
-        distill.distill_feature_map(fmap, *calib, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
-                                    causal=attn.causal, val=val)
-    return fmap, fmap.groups.tolist() if name == "oal" else None
+        student.fmap.set_groups_from(calib[0], calib[1], attn.causal)
+    if student.fmap is not None and any(p.requires_grad for p in student.fmap.parameters()):
+        distill.distill_feature_map(student.fmap, *calib, loss=LOSS.get(name, "xent"), steps=cfg["steps"], lr=cfg["lr"],
+                                    causal=attn.causal, val=val, window=student.window, gate_logit=student.gate)
+    return student, student.fmap.groups.tolist() if name == "oal" else None
+
+
+def student_mimicry(s, q, k, v, monotonicity=True):
+    """distill.mimicry of student attention s on the teacher's q, k, v."""
+    return distill.mimicry(q, k, v, s.fmap, s.causal, monotonicity, s.window, s.g())
 
 
 def contributions(q, k, causal, top_frac=0.1):
@@ -101,7 +111,7 @@ def contributions(q, k, causal, top_frac=0.1):
 
 
 @torch.no_grad()
-def conversion(model, fmaps, names, layer_ids, sentences, test_ids):
+def conversion(model, students, names, layer_ids, sentences, test_ids):
     """Swap the chosen layers to each map (distilled in part 1) and measure what survives."""
     def score(m):
         if sentences:  # MiniLM: sentence embeddings
@@ -113,7 +123,7 @@ def conversion(model, fmaps, names, layer_ids, sentences, test_ids):
     for name in names:
         student = copy.deepcopy(model)
         for i in layer_ids:
-            student.blocks[i].attn.fmap = fmaps[name][i]
+            student.blocks[i].attn = students[name][i]
         got = score(student)
         if sentences:
             cos = (got * ref).sum(-1)
@@ -128,8 +138,9 @@ def main(cfg):
     torch.manual_seed(cfg["seed"])
     names = cfg["maps"].split(",")
     convert_names = [n for n in cfg["convert_maps"].split(",") if n]
-    if set(names) - set(FEATURE_MAPS):
-        raise SystemExit(f"error: unknown maps {sorted(set(names) - set(FEATURE_MAPS))}; valid: {', '.join(FEATURE_MAPS)}")
+    valid = ATTENTIONS[1:]  # every feature map, swa and lolcats
+    if set(names + convert_names) - set(valid):
+        raise SystemExit(f"error: unknown maps {sorted(set(names + convert_names) - set(valid))}; valid: {', '.join(valid)}")
     if set(convert_names) - set(names):
         raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
     model, encode, special = pretrained.load(cfg["model"])
@@ -156,20 +167,20 @@ def main(cfg):
     test_qkv = {T: distill.layer_qkv(model, x, layer_ids) for T, x in test_x.items()}
 
     # parts 1 and 3: every map at every layer, distilled once at seq_len, scored at every length
-    rows, fmaps, groups, contrib = [], {n: {} for n in names}, {}, {}
+    rows, students, groups, contrib = [], {n: {} for n in names}, {}, {}
     for i in layer_ids:
         attn = model.blocks[i].attn
         contrib[i] = contributions(*calib_qkv[i][:2], causal)
         for name in names:
             t = time.time()
-            fmaps[name][i], g = build_map(name, attn, calib_qkv[i], val_qkv[i], cfg)
+            s, g = build_student(name, attn, calib_qkv[i], val_qkv[i], cfg)
+            students[name][i] = s
             if g is not None:
                 groups[i] = g
             q, k, v = test_qkv[cfg["seq_len"]][i]
-            row = {"layer": i, "map": name, **distill.mimicry(q, k, v, fmaps[name][i], causal),
-                   "rel_mse_out": distill.output_rel_mse(attn, fmaps[name][i], q, k, v)[1]}
-            row["by_length"] = {T: distill.mimicry(*test_qkv[T][i], fmaps[name][i], causal, monotonicity=False)
-                                for T in lengths}
+            row = {"layer": i, "map": name, **student_mimicry(s, q, k, v),
+                   "rel_mse_out": distill.output_rel_mse(attn, s.fmap, q, k, v, s.window, s.g())[1]}
+            row["by_length"] = {T: student_mimicry(s, *test_qkv[T][i], monotonicity=False) for T in lengths}
             rows.append(row)
             print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  after o {row['rel_mse_out']:.3f}  "
                   f"({time.time() - t:.1f} s)", flush=True)
@@ -178,8 +189,8 @@ def main(cfg):
     middle = layer_ids[1:-1] if len(layer_ids) > 2 else layer_ids
     convert = {}
     if convert_names and layer_ids == list(range(L)):
-        convert = {"all": conversion(model, fmaps, convert_names, layer_ids, sents, test_x[cfg["seq_len"]]),
-                   "middle": conversion(model, fmaps, convert_names, middle, sents, test_x[cfg["seq_len"]])}
+        convert = {"all": conversion(model, students, convert_names, layer_ids, sents, test_x[cfg["seq_len"]]),
+                   "middle": conversion(model, students, convert_names, middle, sents, test_x[cfg["seq_len"]])}
 
     summary = report(rows, names, lengths, contrib, groups, convert, cfg)
     out = cfg["results"] or f"results/fidelity_{cfg['model']}.json"
@@ -189,7 +200,7 @@ def main(cfg):
                    "contributions": contrib, "conversion": convert, "seconds": time.time() - t0}, f, indent=1)
     print(f"saved {out} ({time.time() - t0:.0f} s in all)")
     if cfg["plots"]:
-        plot(model, fmaps, names, layer_ids, test_qkv[cfg["seq_len"]], contrib, groups, out.removesuffix(".json"))
+        plot(model, students, names, layer_ids, test_qkv[cfg["seq_len"]], contrib, groups, out.removesuffix(".json"))
     return summary
 
 
@@ -233,7 +244,7 @@ def cell(r, sentences):
     return f"{r['cosine']:.3f}" if sentences else f"{r['ppl']:.2f}"
 
 
-def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
+def plot(model, students, names, layer_ids, qkv, contrib, groups, prefix):
     plt = pyplot()
     if plt is None:
         return
@@ -242,7 +253,8 @@ def plot(model, fmaps, names, layer_ids, qkv, contrib, groups, prefix):
     causal = model.blocks[i].attn.causal
     with torch.no_grad():
         panels = [("softmax", attention_weights(q, k, causal=causal))]
-        panels += [(n, attention_weights(q, k, fmaps[n][i], causal=causal)) for n in names]
+        panels += [(n, attention_weights(q, k, s.fmap, causal, window=s.window, gate=s.g()))
+                   for n, s in ((n, students[n][i]) for n in names)]
     cols = min(7, len(panels))
     vmax = panels[0][1][0, 0].quantile(0.99).item()  # one colour scale for all, set by softmax
     rows = math.ceil(len(panels) / cols)

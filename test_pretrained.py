@@ -100,14 +100,15 @@ def test_missing_packages_give_a_clear_message(monkeypatch):
 
 @needs_minilm
 def test_fidelity_report_smoke(tmp_path):
-    run_script("fidelity.py", "--maps=elu,hedgehog,oal", "--convert_maps=elu,hedgehog", "--steps=3", "--calib=2",
+    run_script("fidelity.py", "--maps=elu,hedgehog,oal,swa,lolcats", "--convert_maps=elu,hedgehog,lolcats", "--steps=3", "--calib=2",
                "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False", f"--results={tmp_path / 'f.json'}")
     r = json.load(open(tmp_path / "f.json"))
-    assert len(r["rows"]) == 6 * 3 and set(r["summary"]) == {"elu", "hedgehog", "oal"}
+    assert len(r["rows"]) == 6 * 5 and set(r["summary"]) == {"elu", "hedgehog", "oal", "swa", "lolcats"}
     for row in r["rows"]:
         assert row["kl"] >= -1e-6 and row["rel_mse"] > 0 and -1 <= row["monotonicity"] <= 1
-    cos = r["conversion"]["all"]["hedgehog"]
-    assert -1 <= cos["cosine_min"] <= cos["cosine"] <= 1 + 1e-6
+    for name in ("hedgehog", "lolcats"):
+        cos = r["conversion"]["all"][name]
+        assert -1 <= cos["cosine_min"] <= cos["cosine"] <= 1 + 1e-6
     assert len(r["contributions"]["0"]["top_share"]) == 12
 
 
@@ -136,7 +137,7 @@ def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
                                     bos_token_id=0, eos_token_id=0))
     chars = lambda s, verbose=False: {"input_ids": [ord(c) % 128 for c in s]}
     monkeypatch.setattr(pretrained, "load_gpt2", lambda name: (pretrained.gpt2_from_transformers(hf), chars))
-    cfg = dict(fidelity.config, model="gpt2", maps="elu,hedgehog", convert_maps="hedgehog", steps=2, calib=2,
+    cfg = dict(fidelity.config, model="gpt2", maps="elu,hedgehog,lolcats", convert_maps="hedgehog,lolcats", steps=2, calib=2,
                test=2, seq_len=16, lengths="32,128", plots=False, results=str(tmp_path / "f.json"))
     fidelity.main(cfg)
     r = json.load(open(tmp_path / "f.json"))

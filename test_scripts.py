@@ -283,6 +283,26 @@ def test_swap_keeps_projections_and_layer_qkv_matches_model():
     assert torch.equal(model.blocks[1].attn.q.weight, w)
 
 
+def test_lolcats_attention_transfer_trains_the_maps_and_gates():
+    """Stage 1 for lolcats: the output MSE of the hybrid against softmax falls, and the Hedgehog maps (one
+    per side) and the gates move; the projections do not."""
+    teacher, model = tiny_gpt(), tiny_gpt()
+    convert.swap(model, "lolcats", [0, 1], window=4)
+    attn = model.blocks[1].attn
+    assert attn.window == 4 and attn.fmap.mode == "softmax_halves" and attn.fmap.Wk is not None
+    assert attn.g().tolist() == pytest.approx([0.1, 0.1])
+    ids = torch.randint(0, 50, (400,))
+    idx = ids[:96].view(4, 24)
+    before = sum(distill.distill_loss(model.blocks[i].attn.fmap, *qkv, "mse", True, 4, model.blocks[i].attn.g())
+                 for i, qkv in distill.layer_qkv(teacher, idx, [0, 1]).items()).item()
+    q_weight, gate = attn.q.weight.clone(), attn.gate.detach().clone()
+    cfg = dict(distill_lr=1e-2, distill_iters=20, seed=0, batch_size=4)
+    convert.distill_model(model, teacher, "mse", [0, 1], ids, ids, cfg, "cpu")
+    after = sum(distill.distill_loss(model.blocks[i].attn.fmap, *qkv, "mse", True, 4, model.blocks[i].attn.g())
+                for i, qkv in distill.layer_qkv(teacher, idx, [0, 1]).items()).item()
+    assert after < before and not torch.equal(attn.gate, gate) and torch.equal(attn.q.weight, q_weight)
+
+
 # ----------------------------------------------------------------------------------------------
 # the scripts end to end: tokenizer, checkpoints, resume, conversion
 
@@ -335,12 +355,13 @@ def test_readme_commands_in_order(tmp_path):
     ckpt = torch.load(tmp_path / "out" / "softmax" / "ckpt.pt", weights_only=False)
     assert ckpt["model_args"]["attention"] == "softmax" and ckpt["config"]["tokenizer"] == "cl100k_base"
     assert (tmp_path / "out" / "hedgehog" / "best.pt").exists()
-    out = run_script("convert.py", "--methods=softmax,hedgehog,oal", "--distill_iters=20", "--finetune_iters=2",
-                     "--eval_iters=1", "--batch_size=4", "--plots=false", cwd=tmp_path)
+    out = run_script("convert.py", "--methods=softmax,hedgehog,oal,lolcats,swa", "--distill_iters=20", "--finetune_iters=2",
+                     "--eval_iters=1", "--batch_size=4", "--window=8", "--plots=false", cwd=tmp_path)
     losses = [float(v) for v in re.findall(r"distill step \d+: val xent loss ([\d.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0], out
     records = json.load(open(tmp_path / "results" / "convert.json"))
-    assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal"]
+    assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal", "lolcats", "swa"]
+    assert [r["window"] for r in records[1:]] == [0, 0, 8, 8]
     run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
                "--plots=false", "--results=again.json", cwd=tmp_path)  # a new process: every random init is seeded
     assert json.load(open(tmp_path / "again.json"))[0]["val_ppl"] == records[0]["val_ppl"]
@@ -409,13 +430,17 @@ def test_ddp_two_cpu_processes(tmp_path):
 
 def test_decode_benchmark_smoke(tmp_path):
     """Guards the generation benchmark's bookkeeping against independent sizes: softmax's KV cache is
-    2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1)."""
-    run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
+    2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1);
+    swa keeps the window's keys and values, 2 H w D; lolcats those, the window's key features (H w F)
+    and the state."""
+    run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4", "--window=16",
                f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)
     result = json.load(open(tmp_path / "decode.json"))
     layer = {(r["attention"], r["context"]): r for r in result["records"] if r["part"] == "layer"}
     for T in (64, 256):
         assert layer["softmax", T]["state_bytes"] == 2 * 2 * T * 8 * 4
         assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
+        assert layer["swa", T]["state_bytes"] == 2 * 2 * 16 * 8 * 4
+        assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
     assert all(r["ms_per_token"] > 0 for r in result["records"])
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
