@@ -8,6 +8,8 @@ Each --key=value must name an existing setting; the value is parsed to that sett
 file is a Python file of `key = value` lines with literal values (numbers, strings, booleans), read
 without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
+The scripts then check their values before any work, each with a one-line error: at_least() for sizes
+and counts, positive() for rates, choices() for comma-separated names from a fixed set.
 pick_device() resolves the scripts' device = "auto"; pyplot() imports matplotlib only when it is there.
 """
 import ast
@@ -74,6 +76,42 @@ def set_value(config, key, value, where):
     except ValueError:
         sys.exit(f"error: {where} expects a {type(old).__name__}, got {value!r}")
     config[key] = new
+
+
+def at_least(cfg, low, *keys):
+    """Refuse settings below `low` (sizes and counts), naming the setting and its value."""
+    for key in keys:
+        if cfg[key] < low:
+            sys.exit(f"error: --{key}={cfg[key]} is out of range: it must be at least {low}")
+
+
+def positive(cfg, *keys):
+    """Refuse settings that are not > 0 (learning rates, temperatures)."""
+    for key in keys:
+        if not cfg[key] > 0:
+            sys.exit(f"error: --{key}={cfg[key]} is out of range: it must be greater than 0")
+
+
+def choices(cfg, key, valid):
+    """The comma-separated names of setting `key` as a list; an unknown one is refused with the valid ones."""
+    got = [n for n in str(cfg[key]).split(",") if n]
+    unknown = [n for n in got if n not in valid]
+    if unknown or not got:
+        sys.exit(f"error: --{key}: unknown {', '.join(unknown) or '(empty)'}; valid: {', '.join(valid)}")
+    return got
+
+
+def layer_list(cfg, n_layers):
+    """Setting "layers": "all" or comma-separated indices of a model with n_layers layers."""
+    if cfg["layers"] == "all":
+        return list(range(n_layers))
+    try:
+        ids = [int(i) for i in cfg["layers"].split(",")]
+    except ValueError:
+        ids = [-1]
+    if not ids or min(ids) < 0 or max(ids) >= n_layers:
+        sys.exit(f"error: --layers={cfg['layers']}: 'all' or indices of the model's layers 0..{n_layers - 1}")
+    return ids
 
 
 def pick_device(name="auto"):

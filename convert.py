@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import distill
 from attention import attention_weights, entropy
-from configurator import configure, pick_device, pyplot
+from configurator import at_least, choices, configure, pick_device, positive, pyplot
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -138,18 +138,30 @@ def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
         if it % 20 == 0 or it == cfg["distill_iters"]:
             with torch.no_grad():
                 v_loss = total_loss(val).item()
+            stop_if_not_finite(v_loss, f"distillation step {it} (validation)", "--distill_lr", cfg)
             print(f"  distill step {it}: val {loss} loss {v_loss:.4f}")
             if v_loss < best:
                 best, best_state = v_loss, [p.detach().clone() for p in params]
         if it == cfg["distill_iters"]:
             break
         value = total_loss(teacher_qkv(train_ids, gen))
+        stop_if_not_finite(value, f"distillation step {it}", "--distill_lr", cfg)
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
     with torch.no_grad():
         for p, b in zip(params, best_state):
             p.copy_(b)
+
+
+class Diverged(Exception):
+    """A stage's loss is not finite: main() records the stop, saves the results so far and exits with status 1."""
+
+
+def stop_if_not_finite(loss, where, lr_key, cfg):
+    value = loss.item() if torch.is_tensor(loss) else loss
+    if not math.isfinite(value):
+        raise Diverged(f"{where}: the loss is {value}; try a lower {lr_key} (now {cfg[lr_key[2:]]})")
 
 
 def finetune_model(model, train_ids, cfg, dev):
@@ -169,6 +181,7 @@ def finetune_model(model, train_ids, cfg, dev):
     model.train()
     for it in range(cfg["finetune_iters"]):
         _, loss = model(*get_batch(train_ids, model.block_size, cfg["batch_size"], gen, dev))
+        stop_if_not_finite(loss, f"finetuning step {it}", "--finetune_lr", cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -207,21 +220,48 @@ def load_teacher(cfg, dev):
     return model, train_ids, val_ids
 
 
+def convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids, ppl, cfg, dev):
+    """Method `name` on a copy of the teacher: swap, distil, finetune. Returns (record, model)."""
+    model = copy.deepcopy(teacher)
+    if name == "softmax":  # the teacher gets the same finetuning budget, so that "gap closed" is fair
+        finetune_model(model, train_ids, cfg, dev)
+        return {"method": name, "val_ppl": ppl(model), "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
+                "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "entropy": softmax_entropy(teacher, probe, layer_ids)}, model
+    attention, loss = METHODS[name]
+    swap(model, attention, layer_ids, cfg["window"])
+    window = model.blocks[layer_ids[0]].attn.window
+    print(f"{name}: {attention} in layers {layer_ids}" + (f", window {window}" if window else ""))
+    if attention == "oal":
+        print(f"  oal groups per head, by layer: {set_oal_groups(model, teacher, calib, layer_ids)}")
+    ppl_swap = ppl(model)
+    if loss is not None:
+        distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
+    ppl_distill = ppl(model)
+    fid = converted_mimicry(model, teacher, probe, layer_ids)
+    trained = finetune_model(model, train_ids, cfg, dev)
+    return {"method": name, "feature_map": attention, "window": window, "distill_loss": loss, "val_ppl_swap": ppl_swap,
+            "val_ppl_distill": ppl_distill, "val_ppl": ppl(model), "trainable_params": trained, **fid}, model
+
+
 def main(cfg):
+    names = choices(cfg, "methods", ["softmax", *METHODS])
+    choices(cfg, "layers", ("all", "middle"))
+    choices(cfg, "finetune", ("lora", "full"))
+    at_least(cfg, 0, "distill_iters", "finetune_iters")
+    at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
+    positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     teacher, train_ids, val_ids = load_teacher(cfg, dev)
     L = len(teacher.blocks)
     layer_ids = list(range(L)) if cfg["layers"] == "all" else list(range(1, L - 1))
-    if cfg["layers"] not in ("all", "middle") or not layer_ids:
-        raise SystemExit(f"error: --layers must be 'all' or 'middle' (with at least 3 layers); model has {L}")
-    names = [m for m in cfg["methods"].split(",") if m]
-    unknown = [m for m in names if m != "softmax" and m not in METHODS]
-    if unknown:
-        raise SystemExit(f"error: unknown method {unknown}; valid: softmax, {', '.join(METHODS)}")
+    if not layer_ids:
+        raise SystemExit(f"error: --layers=middle needs at least 3 layers; the model has {L}")
 
     def ppl(m):
-        return math.exp(evaluate(m, val_ids, cfg["batch_size"], cfg["eval_iters"], dev))
+        loss = evaluate(m, val_ids, cfg["batch_size"], cfg["eval_iters"], dev)
+        stop_if_not_finite(loss, "evaluation", "--finetune_lr", cfg)
+        return math.exp(min(loss, 700.0))
 
     calib, _ = get_batch(train_ids, teacher.block_size, 32, torch.Generator().manual_seed(2), dev)
     probe, _ = get_batch(val_ids, teacher.block_size, 4, torch.Generator().manual_seed(3), dev)
@@ -230,36 +270,17 @@ def main(cfg):
     for name in names:
         t0 = time.time()
         torch.manual_seed(cfg["seed"])  # each method's random inits (feature maps, LoRA) from the same seed
-        if name == "softmax":  # the teacher gets the same finetuning budget, so that "gap closed" is fair
-            model = copy.deepcopy(teacher)
-            finetune_model(model, train_ids, cfg, dev)
-            records.append({"method": name, "val_ppl": ppl(model), "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
-                            "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "seconds": time.time() - t0,
-                            "entropy": softmax_entropy(teacher, probe, layer_ids)})
-            print(f"softmax teacher: val ppl {teacher_ppl:.2f}, after the same finetuning {records[-1]['val_ppl']:.2f}")
-            continue
-        fmap_name, loss = METHODS[name]
-        model = copy.deepcopy(teacher)
-        swap(model, fmap_name, layer_ids, cfg["window"])
-        print(f"{name}: {fmap_name} in layers {layer_ids}" + (f", window {cfg['window']}" if model.blocks[layer_ids[0]].attn.window else ""))
-        if fmap_name == "oal":
-            print(f"  oal groups per head, by layer: {set_oal_groups(model, teacher, calib, layer_ids)}")
-        ppl_swap = ppl(model)
-        if loss is not None:
-            distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
-        ppl_distill = ppl(model)
-        fid = converted_mimicry(model, teacher, probe, layer_ids)
-        trained = finetune_model(model, train_ids, cfg, dev)
-        final = ppl(model)
-        record = {"method": name, "feature_map": fmap_name, "window": model.blocks[layer_ids[0]].attn.window,
-                  "distill_loss": loss, "val_ppl_swap": ppl_swap,
-                  "val_ppl_distill": ppl_distill, "val_ppl": final, "trainable_params": trained,
-                  "seconds": time.time() - t0, **fid}
-        print(f"{name}: val ppl swap {ppl_swap:.2f} -> distil {ppl_distill:.2f} -> finetune {final:.2f}; "
-              f"KL {fid['kl']:.3f}, entropy {fid['entropy']:.2f}, monotonicity {fid['monotonicity']:.2f}, "
-              f"RelMSE {fid['rel_mse']:.3f}, {record['seconds']:.0f}s", flush=True)
-        records.append(record)
-        converted[name] = model
+        try:
+            record, model = convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids, ppl, cfg, dev)
+        except Diverged as e:
+            save(records + [{"method": name, "stopped": str(e), "config": cfg}], cfg)
+            raise SystemExit(f"error: {name}: {e}; conversion stopped, the methods before it are in {cfg['results']}") from None
+        records.append(dict(record, seconds=time.time() - t0))
+        print(f"{name}: val ppl swap {record['val_ppl_swap']:.2f} -> distil {record['val_ppl_distill']:.2f} -> finetune "
+              f"{record['val_ppl']:.2f}; KL {record['kl']:.3f}, entropy {record['entropy']:.2f}, monotonicity "
+              f"{record['monotonicity']:.2f}, RelMSE {record['rel_mse']:.3f}, {time.time() - t0:.0f}s", flush=True)
+        if name != "softmax":
+            converted[name] = model
     report(records, teacher_ppl, cfg)
     if cfg["plots"] and converted:
         plot(teacher, converted, probe, layer_ids[len(layer_ids) // 2], os.path.dirname(cfg["results"]) or ".")
@@ -287,6 +308,10 @@ def report(records, teacher_ppl, cfg):
               f"{r['kl']:>7.3f} {r['entropy']:>8.2f} {r['monotonicity']:>7.2f} {r['rel_mse']:>7.3f} {r['seconds']:>8.0f}")
     print("gap closed = (ppl_t2r - ppl) / (ppl_t2r - ppl_softmax): 0% is T2R, 100% is the softmax teacher "
           "(finetuned like the others when 'softmax' is among the methods)")
+    save(records, cfg)
+
+
+def save(records, cfg):
     for r in records:
         r.update(config=cfg, torch=torch.__version__)
     os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)

@@ -80,7 +80,7 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
 
     Group an OAL map first (fmap.set_groups_from on the same q, k: OAL App. B). val = (q, k, v) of held-out
     windows: the loss there is checked every eval_every steps and the best parameters are kept (OAL selects
-    its factors by validation output MSE). window > 0: fmap is the linear part of LoLCATs' hybrid, and
+    its factors by validation output MSE). A non-finite loss stops the program with one line. window > 0: fmap is the linear part of LoLCATs' hybrid, and
     gate_logit, its (H,) gate before the sigmoid, trains with it.
     """
     params = [p for p in fmap.parameters() if p.requires_grad] + ([] if gate_logit is None else [gate_logit])
@@ -100,6 +100,8 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
         if step == steps:
             break
         value = distill_loss(fmap, q, k, v, loss, causal, window, gate())
+        if not torch.isfinite(value):  # the scripts' calibration loops: one line, exit status 1
+            raise SystemExit(f"error: distillation step {step}: the {loss} loss is {value.item()}; try a lower lr (now {lr})")
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
-from configurator import configure, pyplot
+from configurator import at_least, configure, layer_list, positive, pyplot
 from feature_maps import contribution_scores
 from gpt import load_text
 
@@ -136,6 +136,9 @@ def conversion(model, students, names, layer_ids, sentences, test_ids):
 def main(cfg):
     t0 = time.time()
     torch.manual_seed(cfg["seed"])
+    at_least(cfg, 1, "seq_len", "calib", "val", "test", "window")
+    at_least(cfg, 0, "steps", "sentences")
+    positive(cfg, "lr")
     names = cfg["maps"].split(",")
     convert_names = [n for n in cfg["convert_maps"].split(",") if n]
     valid = ATTENTIONS[1:]  # every feature map, swa and lolcats
@@ -146,9 +149,7 @@ def main(cfg):
     model, encode, special = pretrained.load(cfg["model"])
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
-    layer_ids = list(range(L)) if cfg["layers"] == "all" else [int(i) for i in cfg["layers"].split(",")]
-    if not all(0 <= i < L for i in layer_ids):
-        raise SystemExit(f"error: --layers={cfg['layers']}: the model has layers 0..{L - 1}")
+    layer_ids = layer_list(cfg, L)
     lengths = [T for T in (int(t) for t in cfg["lengths"].split(",") if t) if T <= model.block_size]
 
     text = load_text(cfg["text"])

