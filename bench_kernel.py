@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from configurator import configure, pyplot
+from configurator import at_least, configure, integers, pyplot
 from kernel import BUILD_DV, BUILD_F, HAS_TRITON, INTERPRET, causal_linear_attention
 
 
@@ -146,5 +146,6 @@ if __name__ == "__main__":
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
     })
-    benchmark(cfg["heads"], cfg["dim"], cfg["features"], [int(t) for t in cfg["lengths"].split(",")], cfg["threads"],
+    at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
+    benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

@@ -9,7 +9,8 @@ file is a Python file of `key = value` lines with literal values (numbers, strin
 without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
 The scripts then check their values before any work, each with a one-line error: at_least() for sizes
-and counts, positive() for rates, choices() for comma-separated names from a fixed set.
+and counts, positive() for rates, choices() for comma-separated names from a fixed set, integers()
+for comma-separated integers.
 pick_device() resolves the scripts' device = "auto"; pyplot() imports matplotlib only when it is there.
 """
 import ast
@@ -99,6 +100,17 @@ def choices(cfg, key, valid):
     if unknown or not got:
         sys.exit(f"error: --{key}: unknown {', '.join(unknown) or '(empty)'}; valid: {', '.join(valid)}")
     return got
+
+
+def integers(cfg, key, low=0):
+    """The comma-separated integers of setting `key` (seeds, sizes, lengths), each at least `low`."""
+    try:
+        values = [int(x) for x in str(cfg[key]).split(",") if x]
+    except ValueError:
+        sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers")
+    if not values or min(values) < low:
+        sys.exit(f"error: --{key}={cfg[key]!r} must list integers >= {low}")
+    return values
 
 
 def layer_list(cfg, n_layers):

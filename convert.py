@@ -6,12 +6,15 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
     2. distil    stage 1: everything frozen but the feature maps, trained jointly with one optimiser
                  to match each layer's softmax attention on the teacher's own hidden states:
                  Hedgehog's cross-entropy on the weights (hedgehog, t2r-hh), or OAL's MSE on the
-                 outputs after contribution-based grouping (quadratic, oal); early stopping on validation
+                 outputs after contribution-based grouping (quadratic, oal), or, for LoLCATs' hybrid
+                 (lolcats: softmax over the last `window` tokens, Hedgehog maps beyond, learned gates),
+                 its attention transfer, the MSE on the outputs; early stopping on validation
     3. finetune  stage 2: LoRA (rank 8, alpha 16) on q, k, v, o of every layer, or full finetuning,
                  (the "softmax" method finetunes the unconverted teacher the same way: the fair baseline)
                  feature maps trainable too, on the language-modelling loss
 
     python convert.py                                     # every method on the same budget
+    python convert.py --methods=softmax,hedgehog,swa,lolcats-untrained,lolcats   # LoLCATs' Table 6 ablation
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 from attention import ATTENTIONS, MultiHeadAttention
-from configurator import configure, pick_device, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, pyplot
 from gpt import GPT, load_checkpoint
 
 # ---- config: plain values, override with --key=value ----
@@ -111,10 +111,9 @@ def main(cfg):
     if dev == "cpu":
         torch.set_num_threads(cfg["threads"])
     where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({torch.get_num_threads()} thread)"
-    names = [a for a in cfg["attentions"].split(",") if a]
-    if set(names) - set(ATTENTIONS):
-        raise SystemExit(f"error: unknown attention {sorted(set(names) - set(ATTENTIONS))}; valid: {', '.join(ATTENTIONS)}")
-    lengths = [int(t) for t in cfg["contexts"].split(",") if t]
+    names = choices(cfg, "attentions", ATTENTIONS)
+    lengths = integers(cfg, "contexts", 1)
+    at_least(cfg, 1, "heads", "head_dim", "tokens", "threads", "window", "gpt_tokens")
     records = []
     print(f"part 1: one layer, {cfg['heads']} heads of {cfg['head_dim']}, batch 1, one new token; {where}")
     print(f"{'attention':<10} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")

@@ -463,7 +463,9 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_ar.py", ["--seeds=one"], "not a comma-separated list of integers"),
     ("convert.py", ["--methods=hedgehog,foo"], "--methods: unknown foo"),
     ("convert.py", ["--window=0"], "--window=0 is out of range"),
-    ("decode.py", ["--attentions=foo"], "unknown attention"),
+    ("decode.py", ["--attentions=foo"], "--attentions: unknown foo"),
+    ("decode.py", ["--heads=0"], "--heads=0 is out of range"),
+    ("bench_kernel.py", ["--lengths=1k"], "not a comma-separated list of integers"),
 ])
 def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
     err = run_script(script, *args, cwd=tmp_path, ok=False)

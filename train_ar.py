@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Block, entropy
-from configurator import at_least, choices, configure, pick_device, positive, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, positive, pyplot
 from feature_maps import FEATURE_MAPS, make_feature_map
 
 # ---- config: plain values, override with --key=value or a config file ----
@@ -451,17 +451,6 @@ def make_data(cfg):
         return (*make_ar_data(cfg["num_train"], n, v, seed=1234), *make_ar_data(cfg["num_test"], n, v, seed=5678))
     return (*make_h3_data(cfg["num_train"], n, v, seed=1234, train=True),  # "h3"
             *make_h3_data(cfg["num_test"], n, v, seed=5678, train=False))
-
-
-def integers(cfg, key):
-    """The comma-separated integers of setting `key` (seeds, features), or a one-line error."""
-    try:
-        values = [int(x) for x in cfg[key].split(",") if x]
-    except ValueError:
-        raise SystemExit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 0:
-        raise SystemExit(f"error: --{key}={cfg[key]!r} must list integers >= 0")
-    return values
 
 
 def check(cfg):
