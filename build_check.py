@@ -93,7 +93,7 @@ def programs(kern, F_, Dv, BH, T):
     """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
     cfg, N = kernel._configs(F_, Dv)[kern], triton.cdiv(T, kernel.CHUNK)
     if kern == "states":
-        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
+        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH * N
     return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
 
 

@@ -16,8 +16,9 @@ masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_
 z = sum_j k_j, kept in float32. Memory is linear in T. The denominator is never a padded value column.
 
 The Triton design (after flash-linear-attention's chunk kernels): two passes, so that chunks run in parallel.
-  pass 1  _states_kernel   grid (F/BK, Dv/BV, B*H): each program walks the chunks in order and writes the
-                           state before each chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]) to memory.
+  pass 1  _states_kernel   grid (B*H*N, F/BK, Dv/BV): every chunk's own k_n^T v_n (and k_n^T 1) at once,
+                           then a prefix sum over chunks (torch.cumsum) gives the state before each
+                           chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory.
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles.
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
@@ -25,9 +26,10 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
 Cost per token and head, forward, C = 64: pass 1 2 F Dv flops; pass 2 2 C (F + Dv) + 2 F Dv flops (the
 masked half of each chunk's scores is computed too), against FlashAttention's 2 D T (causal). Bytes per
-token and head: q, k, v in, y out, and the state, F Dv 4 / C bytes written once and read once. The states
-take B H (T/C) F Dv 4 bytes, twice that in the backward. At batch 1 pass 1 has only F/BK x Dv/BV x H
-programs, each walking T/C chunks in sequence: the serial part. docs/results.md has the measurements.
+token and head: q, k, v in, y out, and the state, F Dv 4 / C bytes written once and read three times
+(the prefix sum reads and writes it once more). The states take B H (T/C) F Dv 4 bytes, twice that in
+the backward. Pass 1 runs T/C times more programs than a pass that walks the chunks in order (the
+design before this one, which docs/results.md measured on a GPU): no part of it is serial in T.
 Tiles, warps and stages (_configs) were chosen with the build check: `python build_check.py` compiles
 every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a GPUTarget; ptxas
 and cuobjdump ship with triton) and checks shared memory and register spills.
@@ -35,7 +37,8 @@ and cuobjdump ship with triton) and checks shared memory and register spills.
 Where this was tested: both backends against a float64 reference, forward and gradients, with
 float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernels in
 the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9, float32 arithmetic), and compiled for sm_80
-and sm_90 by the build check, and on an NVIDIA H200 (triton 3.6), where an fp32 tl.dot uses TF32.
+and sm_90 by the build check. The design with a serial pass 1 also ran on an NVIDIA H200 (triton 3.6,
+where an fp32 tl.dot uses TF32); the chunk-parallel pass 1 has not yet run on a GPU.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import math
@@ -134,35 +137,22 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _states_kernel(k_ptr, v_ptr, w_ptr, S_ptr, z_ptr, T, F, DV, N,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
-        # Pass 1. Program (i_k, i_v, bh) walks the chunks in order (backwards if REVERSE) and writes,
-        # for its (BK, BV) tile, the exclusive running sums  S[n] = sum_{m<n} k_m^T v_m  (m > n if REVERSE)
-        # and, in the i_v = 0 programs, z[n] = sum_{m<n} k_m^T w_m (w: one weight per token).
-        i_k, i_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # Pass 1. Program (bh * N + n, i_k, i_v): the (BK, BV) tile of chunk n's own sum  k_n^T v_n,
+        # and, in the i_v = 0 programs, k_n^T w_n (w: one weight per token). Every chunk at once;
+        # _states() then turns these into the running sums over earlier (or later) chunks.
+        i_c, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # axis 0: up to 2^31 - 1 programs
+        bh, n = i_c // N, i_c % N
         rk = i_k * BK + tl.arange(0, BK)
         rv = i_v * BV + tl.arange(0, BV)
-        rt = tl.arange(0, C)
-        k_ptr += bh * T * F
-        v_ptr += bh * T * DV
-        w_ptr += bh * T
-        S_ptr += bh * N * F * DV
-        z_ptr += bh * N * F
-        S = tl.zeros((BK, BV), dtype=tl.float32)
-        z = tl.zeros((BK,), dtype=tl.float32)
-        for it in range(0, N):
-            if REVERSE:
-                n = N - 1 - it
-            else:
-                n = it
-            tl.store(S_ptr + n * F * DV + rk[:, None] * DV + rv[None, :], S, mask=(rk[:, None] < F) & (rv[None, :] < DV))
-            t = n * C + rt
-            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
-            S += tl.dot(tl.trans(k), v)  # (BK, BV)
-            if i_v == 0:
-                tl.store(z_ptr + n * F + rk, z, mask=rk < F)
-                w = tl.load(w_ptr + t, mask=t < T, other=0.0).to(tl.float32)
-                z += tl.sum(k * w[:, None], 0)  # (BK,)
+        t = n * C + tl.arange(0, C)
+        k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+        S = tl.dot(tl.trans(k), v)  # (BK, BV)
+        tl.store(S_ptr + i_c * F * DV + rk[:, None] * DV + rv[None, :], S, mask=(rk[:, None] < F) & (rv[None, :] < DV))
+        if i_v == 0:
+            w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
+            tl.store(z_ptr + i_c * F + rk, tl.sum(k * w[:, None], 0), mask=rk < F)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
@@ -288,15 +278,24 @@ def _configs(F, Dv):
 
 
 def _states(k, v, w, reverse):
-    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32."""
+    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32:
+    every chunk's own sum in parallel (the kernel), then a prefix sum over chunks (torch.cumsum, itself
+    parallel on a GPU), so that no program walks the sequence."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["states"]
-    grid = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), BH)
-    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, REVERSE=reverse, **cfg)
-    return S, z
+    grid = (BH * N, triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
+    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, **cfg)
+    return _exclusive_prefix(S, reverse), _exclusive_prefix(z, reverse)
+
+
+def _exclusive_prefix(x, reverse):
+    """out[:, n] = sum of x[:, m] over m < n (m > n if reverse), by cumsum over dim 1."""
+    x = x.flip(1) if reverse else x
+    out = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1].cumsum(1)], 1)
+    return out.flip(1) if reverse else out
 
 
 def _triton_forward(q, k, v, eps):
