@@ -4,11 +4,22 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
 
     python bench_kernel.py                              # check, then benchmark; results/kernel.json and .png
     python bench_kernel.py --lengths=1024,4096 --threads=2
+    python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
 definition in float64, forward and gradients: at one (F, Dv) on a CPU, at every build-checked shape on a
 GPU. The benchmark times forward and forward+backward of causal SDPA (FlashAttention on a GPU), the
 quadratic linear form, the chunked fallback and the Triton kernels, with peak memory on CUDA.
+
+--report=true is the device report, one script for a GPU session (a few minutes on an H200): the check
+at every build-checked shape, then forward and forward+backward times at 1K-32K tokens of our kernels
+against FlashAttention (SDPA restricted to it) and against flash-linear-attention's chunk_linear_attn
+(fla, imported only here; normalize=True, its normalisation a separate pass, timed as it is), for the
+shapes B x H x D of `shapes` (Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map
+family's feature size: Hedgehog F = 2D, 1+ELU F = D, Taylor/quadratic/OAL F = 1 + D + D(D+1)/2.
+Sizes whose inputs and states would pass max_gib, or whose F is not build-checked, are recorded as
+skipped. Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and
+the PyTorch fallback (the tests do, at tiny sizes).
 """
 import json
 import os
@@ -17,8 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from configurator import at_least, configure, integers, pyplot
-from kernel import BUILD_DV, BUILD_F, HAS_TRITON, INTERPRET, causal_linear_attention
+from configurator import at_least, choices, configure, integers, pyplot
+from kernel import BUILD_DV, BUILD_F, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
 
 def reference(qf, kf, v, eps=1e-6):
@@ -116,6 +127,103 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     plot(rows, out.replace(".json", ".png"))
 
 
+FAMILIES = {"hedgehog": lambda D: 2 * D, "elu": lambda D: D, "taylor": lambda D: 1 + D + D * (D + 1) // 2}
+
+
+def fla_linear_attention():
+    """flash-linear-attention's chunk_linear_attn, or None when fla is not installed."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        return None
+    return chunk_linear_attn
+
+
+def device_report(cfg):
+    """The GPU session's script: check against float64, then time ours, FlashAttention and fla."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV] if dev == "cuda" else [(16, 8)])
+    fla = fla_linear_attention() if dev == "cuda" else None
+    print(f"fla: {'chunk_linear_attn' if fla else 'not installed (pip install flash-linear-attention fla-core)' if dev == 'cuda' else 'GPU only'}")
+    ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
+
+    def flash(q, k, v):
+        if dev != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    rows = []
+    for shape in cfg["shapes"].split(","):
+        B, H, D = (int(x) for x in shape.split("x"))
+        for family in choices(cfg, "families", FAMILIES):
+            F_ = FAMILIES[family](D)
+            for T in integers(cfg, "lengths", 1):
+                row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, T=T)
+                gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 4 * 2) / 2 ** 30  # features, states (x2 backward)
+                if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D)):
+                    rows.append(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "F not build-checked"))
+                    print(f"{shape} {family:<8} T={T:<6} skipped: {rows[-1]['skipped']}")
+                    continue
+                q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype) for _ in range(3))
+                qf, kf = (torch.rand(B, H, T, F_, device=dev, dtype=dtype) for _ in range(2))
+                methods = {"flash": (flash, (q, k, v)),
+                           "ours": (lambda a, b, c: causal_linear_attention(a, b, c, backend=ours), (qf, kf, v))}
+                if fla is not None:  # fla wants (B, T, H, K)
+                    methods["fla"] = (lambda a, b, c: fla(a, b, c, scale=1.0, normalize=True)[0],
+                                      tuple(x.transpose(1, 2).contiguous() for x in (qf, kf, v)))
+                for name, (fn, args) in methods.items():
+                    ins = [x.detach().requires_grad_() for x in args]
+                    with torch.no_grad():
+                        fwd = _time(lambda: fn(*ins), cfg["repeats"])
+                    both = _time(lambda: fn(*ins).sum().backward(), cfg["repeats"])
+                    row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
+                row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
+                io = B * H * T * ((2 * F_ + D) * q.element_size() + D * 4)  # qf, kf, v in; y out (float32)
+                row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
+                row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
+                if fla is not None:
+                    row["ours_vs_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
+                rows.append(row)
+                print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
+                    f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods), flush=True)
+    name = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
+    out = cfg["report_out"] or f"results/kernel_{name}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "check_max_rel_error": worst,
+                   "ours": ours, "fla": fla is not None, "rows": rows, "config": cfg}, f, indent=1)
+    print(f"saved {out}")
+    plot_report(rows, out.replace(".json", ".png"))
+    return rows
+
+
+def plot_report(rows, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        done = [r for r in rows if r["shape"] == shape and "skipped" not in r]
+        Ts = sorted({r["T"] for r in done})
+        if Ts:
+            ax.loglog(Ts, [next(r["flash_fwd_ms"] for r in done if r["T"] == T) for T in Ts], "k-o", label="FlashAttention")
+        for family in dict.fromkeys(r["family"] for r in done):
+            rs = [r for r in done if r["family"] == family]
+            ax.loglog([r["T"] for r in rs], [r["ours_fwd_ms"] for r in rs], "o-", label=f"ours, {family} (F={rs[0]['F']})")
+            if "fla_fwd_ms" in rs[0]:
+                ax.loglog([r["T"] for r in rs], [r["fla_fwd_ms"] for r in rs], "x--", label=f"fla, {family}")
+        ax.set(xlabel="tokens", ylabel="forward ms", title=f"B x H x D = {shape}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure: {path}")
+
+
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -145,7 +253,16 @@ if __name__ == "__main__":
         "repeats": 5,
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
+        "report": False,  # the device report instead (see the docstring)
+        "shapes": "1x12x64,8x32x128",  # report: B x H x D
+        "families": "hedgehog,elu,taylor",  # report: feature sizes 2D, D, 1 + D + D(D+1)/2
+        "max_gib": 40.0,  # report: skip sizes whose features and states would take more
+        "report_out": "",  # report: default results/kernel_<gpu>.json
+        "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
+    if cfg["report"]:
+        device_report(cfg)
+        raise SystemExit(0)
     benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

@@ -283,6 +283,22 @@ def test_swap_keeps_projections_and_layer_qkv_matches_model():
     assert torch.equal(model.blocks[1].attn.q.weight, w)
 
 
+def test_device_report_bookkeeping(tmp_path):
+    """The GPU session's script at tiny sizes on the CPU: one row per shape, family and length, either
+    skipped (here when over max_gib) or timed against SDPA, with the feature size of each family."""
+    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor", "--lengths=64,96",
+               "--repeats=1", "--max_gib=0.00005", f"--report_out={tmp_path / 'r.json'}")
+    r = json.load(open(tmp_path / "r.json"))
+    assert r["check_max_rel_error"]["torch"] < 1e-5 and r["fla"] is False
+    rows = {(x["shape"], x["family"], x["T"]): x for x in r["rows"]}
+    assert len(rows) == 2 * 3 * 2
+    assert {x["F"] for k, x in rows.items() if k[0] == "1x2x8"} == {16, 8, 45}  # 2D, D, 1 + D + D(D+1)/2
+    assert "skipped" in rows["1x1x16", "taylor", 96] and "skipped" not in rows["1x2x8", "taylor", 64]
+    done = [x for x in rows.values() if "skipped" not in x]
+    assert all(x["speedup_vs_flash_fwd"] == pytest.approx(x["flash_fwd_ms"] / x["ours_fwd_ms"]) for x in done)
+    assert all(x["memory_bound_ms"] > 0 and x["ours_fwd_bwd_ms"] > 0 for x in done)
+
+
 def test_lolcats_attention_transfer_trains_the_maps_and_gates():
     """Stage 1 for lolcats: the output MSE of the hybrid against softmax falls, and the Hedgehog maps (one
     per side) and the gates move; the projections do not."""
