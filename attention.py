@@ -209,7 +209,8 @@ def hybrid_attention_quadratic(q, k, qf, kf, v, window, gate, causal=True):
 def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
     """The causal hybrid in O(T): by chunks of C = max(chunk, window) tokens. A query of chunk n sees
     the keys of its own chunk and of chunk n-1 directly (up to 2C of them), each either in its window
-    or in the masked linear block, and everything before chunk n-1 (at least C + 1 > w tokens back) through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
+    or in the masked linear block, and everything before chunk n-1 (at least C + 1 > w tokens back)
+    through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
     q, k, qf, kf, vf = (_fp32(x) for x in (q, k, qf, kf, v))
     B, H, T, _ = q.shape
     C, g = max(chunk, window), _gate(gate, q)
@@ -301,8 +302,12 @@ class MultiHeadAttention(nn.Module):
             attention = "hedgehog"
             fmap_options = {"mode": "softmax_halves", "separate_qk": True, **fmap_options}
         device = self.q.weight.device
-        self.fmap = None if attention in ("softmax", "swa") else make_feature_map(attention, self.qk_dim, self.n_head, **fmap_options).to(device)
-        self.gate = nn.Parameter(torch.full((self.n_head,), math.log(gate / (1 - gate)), device=device)) if self.attention == "lolcats" else None
+        self.fmap = None
+        if attention not in ("softmax", "swa"):
+            self.fmap = make_feature_map(attention, self.qk_dim, self.n_head, **fmap_options).to(device)
+        self.gate = None
+        if self.attention == "lolcats":  # w_h with sigmoid(w_h) = gate
+            self.gate = nn.Parameter(torch.full((self.n_head,), math.log(gate / (1 - gate)), device=device))
 
     def g(self):
         """lolcats' gate per head, sigmoid(w_h) (H,); 1 for swa, where it cancels."""
@@ -372,7 +377,8 @@ class Block(nn.Module):
                  max_len=None, attn_dropout=0.0, window=64, **fmap_options):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_head, attention, causal, bias, qk_dim, max_len, attn_dropout, window, **fmap_options)
+        self.attn = MultiHeadAttention(d_model, n_head, attention, causal, bias, qk_dim, max_len, attn_dropout, window,
+                                       **fmap_options)
         self.mlp = None
         if mlp_ratio:
             self.ln2 = nn.LayerNorm(d_model)

@@ -146,7 +146,8 @@ def device_report(cfg):
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV] if dev == "cuda" else [(16, 8)])
     fla = fla_linear_attention() if dev == "cuda" else None
-    print(f"fla: {'chunk_linear_attn' if fla else 'not installed (pip install flash-linear-attention fla-core)' if dev == 'cuda' else 'GPU only'}")
+    if dev == "cuda" and fla is None:
+        print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
     ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
 
     def flash(q, k, v):

@@ -8,9 +8,10 @@ resource usage; ptxas and cuobjdump ship with triton).
     python build_check.py          # about 2 minutes on 2 cores with an empty Triton cache
 
 Prints the worst case per kernel, arch and dtype and saves every launch to results/build_check.json;
-exits 1 if any launch does not fit. The launches are recorded, not run: the forward and backward run on meta tensors (shapes, no
-data) with kernel.py's four kernels swapped for recorders of their launches. The shapes are kernel.BUILD_F x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts on
-CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
+exits 1 if any launch does not fit. The launches are recorded, not run: the forward and backward run
+on meta tensors (shapes, no data) with kernel.py's four kernels swapped for recorders of their
+launches. The shapes are kernel.BUILD_F x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts
+on CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
 chosen with it. It is its own file because compiling for machines you do not have is its own question.
 """
 import json
