@@ -288,6 +288,11 @@ def test_swa_is_softmax_over_the_last_w_tokens():
         y, cache = hybrid_attention_step(q[:, :, t], k[:, :, t], q[:, :, t, :0], k[:, :, t, :0], v[:, :, t], w, 1.0, cache)
         ys.append(y)
     assert torch.allclose(torch.stack(ys, 2), ref, rtol=1e-10, atol=1e-12)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    g_out = torch.randn_like(ref)
+    expected = torch.autograd.grad((F.scaled_dot_product_attention(q, k, v, attn_mask=allowed) * g_out).sum(), (q, k, v))
+    for x, r in zip(torch.autograd.grad((sliding_window_attention(q, k, v, w, chunk=8) * g_out).sum(), (q, k, v)), expected):
+        assert torch.allclose(x, r, rtol=1e-9, atol=1e-10)
 
 
 def test_the_window_max_sets_the_balance_of_the_two_parts():
