@@ -14,7 +14,7 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
                  feature maps trainable too, on the language-modelling loss
 
     python convert.py                                     # every method on the same budget
-    python convert.py --methods=softmax,hedgehog,swa,lolcats-untrained,lolcats   # LoLCATs' Table 6 ablation
+    python convert.py --methods=softmax,hedgehog,swa,lolcats-untrained,lolcats --seeds=0,1,2   # LoLCATs' Table 6
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import distill
 from attention import attention_weights, entropy
-from configurator import at_least, choices, configure, pick_device, positive, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, positive, pyplot
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -57,6 +57,7 @@ lora_alpha = 16
 batch_size = 16
 eval_iters = 20
 seed = 0
+seeds = ""  # comma-separated: every method once per seed, then mean ± std per method (instead of seed)
 device = "auto"
 results = "results/convert.json"
 plots = True
@@ -253,6 +254,7 @@ def main(cfg):
     at_least(cfg, 0, "distill_iters", "finetune_iters")
     at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
     positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")
+    seeds = integers(cfg, "seeds") if cfg["seeds"] else [cfg["seed"]]
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     teacher, train_ids, val_ids = load_teacher(cfg, dev)
@@ -269,25 +271,35 @@ def main(cfg):
     calib, _ = get_batch(train_ids, teacher.block_size, 32, torch.Generator().manual_seed(2), dev)
     probe, _ = get_batch(val_ids, teacher.block_size, 4, torch.Generator().manual_seed(3), dev)
     teacher_ppl = ppl(teacher)
-    records, converted = [], {}
-    for name in names:
-        t0 = time.time()
-        torch.manual_seed(cfg["seed"])  # each method's random inits (feature maps, LoRA) from the same seed
-        try:
-            record, model = convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids, ppl, cfg, dev)
-        except Diverged as e:
-            save(records + [{"method": name, "stopped": str(e), "config": cfg}], cfg)
-            raise SystemExit(f"error: {name}: {e}; conversion stopped, the methods before it are in {cfg['results']}") from None
-        records.append(dict(record, seconds=time.time() - t0))
-        print(f"{name}: val ppl swap {record['val_ppl_swap']:.2f} -> distil {record['val_ppl_distill']:.2f} -> finetune "
-              f"{record['val_ppl']:.2f}; KL {record['kl']:.3f}, entropy {record['entropy']:.2f}, monotonicity "
-              f"{record['monotonicity']:.2f}, RelMSE {record['rel_mse']:.3f}, {time.time() - t0:.0f}s", flush=True)
-        if name != "softmax":
-            converted[name] = model
-    report(records, teacher_ppl, cfg)
-    if cfg["plots"] and converted:
-        plot(teacher, converted, probe, layer_ids[len(layer_ids) // 2], os.path.dirname(cfg["results"]) or ".")
-    return records
+    done = []  # every seed's records
+    for seed in seeds:
+        run = dict(cfg, seed=seed)
+        records, converted = [], {}
+        for name in names:
+            t0 = time.time()
+            torch.manual_seed(seed)  # each method's random inits (feature maps, LoRA) from the same seed
+            try:
+                record, model = convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids, ppl, run, dev)
+            except Diverged as e:
+                save(done + records + [{"method": name, "seed": seed, "stopped": str(e), "config": run}], cfg)
+                raise SystemExit(f"error: {name}: {e}; conversion stopped, the methods before it are in {cfg['results']}") from None
+            records.append(dict(record, seed=seed, seconds=time.time() - t0, config=run))
+            print(f"{name}: val ppl swap {record['val_ppl_swap']:.2f} -> distil {record['val_ppl_distill']:.2f} -> finetune "
+                  f"{record['val_ppl']:.2f}; KL {record['kl']:.3f}, entropy {record['entropy']:.2f}, monotonicity "
+                  f"{record['monotonicity']:.2f}, RelMSE {record['rel_mse']:.3f}, {time.time() - t0:.0f}s", flush=True)
+            if name != "softmax":
+                converted[name] = model
+        report(records, teacher_ppl, seed)
+        done += records
+        if cfg["plots"] and converted and seed == seeds[0]:
+            plot(teacher, converted, probe, layer_ids[len(layer_ids) // 2], os.path.dirname(cfg["results"]) or ".")
+    if len(seeds) > 1:
+        print(f"\nvalidation perplexity over seeds {seeds}: mean ± std")
+        for name in names:
+            ppls = torch.tensor([r["val_ppl"] for r in done if r["method"] == name])
+            print(f"{name:<20} {ppls.mean():.2f} ± {ppls.std():.2f}   ({', '.join(f'{p:.2f}' for p in ppls.tolist())})")
+    save(done, cfg)
+    return done
 
 
 @torch.no_grad()
@@ -297,11 +309,12 @@ def softmax_entropy(model, idx, layer_ids):
     return sum(rows) / len(rows)
 
 
-def report(records, teacher_ppl, cfg):
+def report(records, teacher_ppl, seed):
+    """One seed's table; gap closed is added to each record."""
     by = {r["method"]: r for r in records}
     base = by.get("t2r", {}).get("val_ppl")
     teacher_ppl = by.get("softmax", {}).get("val_ppl", teacher_ppl)  # the finetuned teacher when it ran
-    print(f"\n{'method':<20} {'ppl swap':>9} {'ppl distil':>11} {'ppl final':>10} {'gap closed':>11} "
+    print(f"\nseed {seed}\n{'method':<20} {'ppl swap':>9} {'ppl distil':>11} {'ppl final':>10} {'gap closed':>11} "
           f"{'KL':>7} {'entropy':>8} {'monot.':>7} {'RelMSE':>7} {'seconds':>8}")
     for r in records:
         if base is not None and base != teacher_ppl:
@@ -311,12 +324,12 @@ def report(records, teacher_ppl, cfg):
               f"{r['kl']:>7.3f} {r['entropy']:>8.2f} {r['monotonicity']:>7.2f} {r['rel_mse']:>7.3f} {r['seconds']:>8.0f}")
     print("gap closed = (ppl_t2r - ppl) / (ppl_t2r - ppl_softmax): 0% is T2R, 100% is the softmax teacher "
           "(finetuned like the others when 'softmax' is among the methods)")
-    save(records, cfg)
 
 
 def save(records, cfg):
     for r in records:
-        r.update(config=cfg, torch=torch.__version__)
+        r.update(torch=torch.__version__)
+        r.setdefault("config", cfg)
     os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)
     with open(cfg["results"], "w") as f:
         json.dump(records, f, indent=1)

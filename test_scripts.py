@@ -378,9 +378,11 @@ def test_readme_commands_in_order(tmp_path):
     records = json.load(open(tmp_path / "results" / "convert.json"))
     assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal", "lolcats", "swa"]
     assert [r["window"] for r in records[1:]] == [0, 0, 8, 8]
-    run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
-               "--plots=false", "--results=again.json", cwd=tmp_path)  # a new process: every random init is seeded
-    assert json.load(open(tmp_path / "again.json"))[0]["val_ppl"] == records[0]["val_ppl"]
+    out = run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
+                     "--plots=false", "--results=again.json", "--seeds=0,1", cwd=tmp_path)  # a new process: every init is seeded
+    again = json.load(open(tmp_path / "again.json"))
+    assert [r["seed"] for r in again] == [0, 1] and again[0]["val_ppl"] == records[0]["val_ppl"]
+    assert "validation perplexity over seeds [0, 1]: mean ± std" in out
     assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
     run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
                f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)  # part 2 reads both checkpoints
