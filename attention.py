@@ -74,14 +74,18 @@ def linear_weights(qf, kf, causal=True, eps=EPS):
     return _normalise(_fp32(qf) @ _fp32(kf).transpose(-1, -2), causal, eps)
 
 
+def _features(fmap, q, k, offset=0):
+    """(qf, kf) of fmap; zero-width when fmap is None (swa: the window alone, no linear part)."""
+    return (q[..., :0], k[..., :0]) if fmap is None else fmap(q, k, offset=offset)
+
+
 def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS, window=0, gate=1.0):
     """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap's
     kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for OAL).
     eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows.
     window > 0: LoLCATs' hybrid weights with gate g (hybrid_weights), or swa's if fmap is None."""
     if window:
-        qf, kf = (q[..., :0], k[..., :0]) if fmap is None else fmap(q, k)
-        return hybrid_weights(q, k, qf, kf, window, gate, causal)
+        return hybrid_weights(q, k, *_features(fmap, q, k), window, gate, causal)
     if fmap is not None:
         return _normalise(fmap.scores(q, k), causal, eps)
     s = _fp32(q) @ _fp32(k).transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T) logits
@@ -233,7 +237,7 @@ def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
 
 def sliding_window_attention(q, k, v, window, chunk=64):
     """swa: softmax over the last `window` tokens (W(i) above), nothing beyond: the hybrid without features."""
-    return hybrid_attention(q, k, q[..., :0], k[..., :0], v, window, 1.0, chunk)
+    return hybrid_attention(q, k, *_features(None, q, k), v, window, 1.0, chunk)
 
 
 def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
@@ -320,7 +324,7 @@ class MultiHeadAttention(nn.Module):
 
     def features(self, q, k, offset=0):
         """(qf, kf) of the layer's map; zero-width for swa, whose window alone attends."""
-        return (q[..., :0], k[..., :0]) if self.fmap is None else self.fmap(q, k, offset=offset)
+        return _features(self.fmap, q, k, offset)
 
     def mix(self, q, k, v):
         """The attention itself on (B, H, T, .) heads -> (B, H, T, D)."""

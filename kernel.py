@@ -62,7 +62,12 @@ EPS = 1e-6  # the denominator's guard against rows of zero weight (a ReLU map ca
 
 def _exclusive_cumsum(x, reverse=False):
     """out[:, n] = sum of x[:, m] over m < n (m > n if reverse). x: (BH, N, ...), N = number of chunks.
-    A loop over chunks of in-place adds: exact running sums, and faster on CPU than cumsum over dim 1."""
+    On CUDA one cumsum over dim 1 (parallel); on CPU a loop over chunks of in-place adds, which is faster
+    there. Both sum in chunk order."""
+    if x.is_cuda:
+        x = x.flip(1) if reverse else x
+        out = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1].cumsum(1)], 1)
+        return out.flip(1) if reverse else out
     out = torch.zeros_like(x)
     N = x.shape[1]
     for n in (range(N - 2, -1, -1) if reverse else range(1, N)):
@@ -279,8 +284,8 @@ def _configs(F, Dv):
 
 def _states(k, v, w, reverse):
     """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32:
-    every chunk's own sum in parallel (the kernel), then a prefix sum over chunks (torch.cumsum, itself
-    parallel on a GPU), so that no program walks the sequence."""
+    every chunk's own sum in parallel (the kernel), then the fallback's prefix sum over chunks (one
+    parallel cumsum on a GPU), so that no program walks the sequence."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
@@ -288,14 +293,7 @@ def _states(k, v, w, reverse):
     cfg = _configs(F_, Dv)["states"]
     grid = (BH * N, triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
     _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, **cfg)
-    return _exclusive_prefix(S, reverse), _exclusive_prefix(z, reverse)
-
-
-def _exclusive_prefix(x, reverse):
-    """out[:, n] = sum of x[:, m] over m < n (m > n if reverse), by cumsum over dim 1."""
-    x = x.flip(1) if reverse else x
-    out = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1].cumsum(1)], 1)
-    return out.flip(1) if reverse else out
+    return _exclusive_cumsum(S, reverse), _exclusive_cumsum(z, reverse)
 
 
 def _triton_forward(q, k, v, eps):
