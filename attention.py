@@ -138,11 +138,12 @@ def linear_attention_chunked(qf, kf, v, chunk=64, eps=EPS):
     return torch.cat(ys, dim=2).to(v.dtype)
 
 
-def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto"):
+def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto", squares=None):
     """Linear attention in O(T): causal through kernel.causal_linear_attention (chunked; backend "auto"
-    uses Triton when it can run), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
+    uses Triton when it can run; squares: the map's closed form, FeatureMap.squares, for the scores within
+    a chunk), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
     if causal:
-        return causal_linear_attention(qf, kf, v, eps=eps, backend=backend)
+        return causal_linear_attention(qf, kf, v, eps=eps, backend=backend, squares=squares)
     qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
     num = qf @ (kf.transpose(-1, -2) @ vf)  # (B, H, T, F) @ (B, H, F, Dv)
     den = qf @ kf.sum(-2).unsqueeze(-1) + eps  # (B, H, T, 1)
@@ -337,7 +338,9 @@ class MultiHeadAttention(nn.Module):
             p = self.attn_dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
         qf, kf = self.fmap(q, k)
-        return linear_attention(qf, kf, v, causal=self.causal)
+        # the polynomial maps' closed form pays in the Triton kernels; the CPU fallback is as fast on features
+        squares = self.fmap.squares(q, k) if self.causal and q.is_cuda else None
+        return linear_attention(qf, kf, v, causal=self.causal, squares=squares)
 
     def forward(self, x):
         y = self.mix(*self.heads(x))  # (B, H, T, D)

@@ -5,10 +5,11 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
     python bench_kernel.py                              # check, then benchmark; results/kernel.json and .png
     python bench_kernel.py --lengths=1024,4096 --threads=2
     python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
+    python bench_kernel.py --closed_form=true --threads=2   # the polynomial maps' closed form, results/closed_form.json
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
-definition in float64, forward and gradients: at one (F, Dv) on a CPU, at every build-checked shape on a
-GPU. The benchmark times forward and forward+backward of causal SDPA (FlashAttention on a GPU), the
+definition in float64, forward and gradients, float32 and bfloat16 inputs, and OAL's closed form
+(squares): at one size of each on a CPU, at every build-checked shape on a GPU. The benchmark times forward and forward+backward of causal SDPA (FlashAttention on a GPU), the
 quadratic linear form, the chunked fallback and the Triton kernels, with peak memory on CUDA.
 
 --report=true is the device report, one script for a GPU session (a few minutes on an H200): the check
@@ -16,9 +17,11 @@ at every build-checked shape, then forward and forward+backward times at 1K-32K 
 against FlashAttention (SDPA restricted to it) and against flash-linear-attention's chunk_linear_attn
 (fla, imported only here; normalize=True, its normalisation a separate pass, timed as it is), for the
 shapes B x H x D of `shapes` (Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map
-family's feature size: Hedgehog F = 2D, 1+ELU F = D, Taylor/quadratic/OAL F = 1 + D + D(D+1)/2.
-Sizes whose inputs and states would pass max_gib, or whose F is not build-checked, are recorded as
-skipped. Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and
+family's feature size: Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with
+their closed form in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose
+inputs and states would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that
+refuses a size (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has
+the time of our pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and
 the PyTorch fallback (the tests do, at tiny sizes).
 """
 import json
@@ -28,8 +31,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+import kernel
 from configurator import at_least, choices, configure, integers, pyplot
-from kernel import BUILD_DV, BUILD_F, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
+from feature_maps import make_feature_map
+from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
 
 def reference(qf, kf, v, eps=1e-6):
@@ -38,26 +43,50 @@ def reference(qf, kf, v, eps=1e-6):
     return (A @ v) / (A.sum(-1, keepdim=True) + eps)
 
 
-def check(dev, shapes, T=300):
-    """Every backend against the float64 reference, forward and gradients, at each (F, Dv) of shapes.
-    Prints the worst relative error per backend; returns it. On CUDA an fp32 tl.dot is TF32 (~1e-3)."""
+def check(dev, shapes, squares=(), T=300):
+    """Every backend against the float64 reference, forward and gradients. At each (F, Dv) of shapes, random
+    positive features in float32 and in bfloat16 (rounded inputs; the reference sees the rounded values).
+    At each (D, SQ, Dv) of squares, OAL's features and closed form (SQ - 1 groups, random, parameters moved),
+    float32, gradients to q, k, v and L. Prints the worst relative error per backend and case; returns them.
+    On CUDA a float32 tl.dot is TF32 (~1e-3); bfloat16 dots round their operands (~1e-2)."""
     g = torch.Generator().manual_seed(0)
     backends = ["torch"] + (["triton"] if HAS_TRITON and (dev == "cuda" or INTERPRET) else [])
-    worst = {b: 0.0 for b in backends}
-    for F_, Dv in shapes:
-        qf, kf = (torch.rand(1, 2, T, F_, generator=g, dtype=torch.float64) for _ in range(2))
+    worst = {}
+    cases = [(dtype, F_, Dv, 0) for dtype in (torch.float32, torch.bfloat16) for F_, Dv in shapes] + \
+        [(torch.float32, D, Dv, SQ) for D, SQ, Dv in squares]
+    for dtype, n, Dv, SQ in cases:
         v, dy = (torch.randn(1, 2, T, Dv, generator=g, dtype=torch.float64) for _ in range(2))
-        ref_in = [x.requires_grad_() for x in (qf, kf, v)]
-        ref = reference(*ref_in)
-        refs = [ref.detach(), *torch.autograd.grad(ref, ref_in, dy)]
+        if SQ:  # n = D
+            fmap = make_feature_map("oal", n, 2, max_groups=SQ - 1).double()
+            fmap.set_groups(torch.randint(0, SQ - 1, (2, n), generator=g))
+            with torch.no_grad():
+                fmap.L.add_(0.1 * torch.randn(fmap.L.shape, generator=g, dtype=torch.float64))
+            q, k = (torch.randn(1, 2, T, n, generator=g, dtype=torch.float64) for _ in range(2))
+            leaves = [q, k, v, fmap.L]
+        else:  # n = F
+            qf, kf = (torch.rand(1, 2, T, n, generator=g).to(dtype).double() for _ in range(2))
+            v = v.to(dtype).double()
+            leaves = [qf, kf, v]
+        for x in leaves:
+            x.requires_grad_()
+        ref = reference(*fmap(q, k), v) if SQ else reference(qf, kf, v)
+        refs = [ref.detach(), *torch.autograd.grad(ref, leaves, dy)]
+        case = f"{str(dtype).removeprefix('torch.')}" + (", closed form" if SQ else "")
         for b in backends:
-            ins = [x.detach().to(dev).float().requires_grad_() for x in (qf, kf, v)]
-            y = causal_linear_attention(*ins, backend=b)
-            got = [y, *torch.autograd.grad(y, ins, dy.to(dev).float())]
+            if SQ:
+                fmap32 = make_feature_map("oal", n, 2, max_groups=SQ - 1).to(dev)
+                fmap32.load_state_dict(fmap.state_dict())  # float64 values into float32 parameters
+                q32, k32, v32 = (x.detach().to(dev).float().requires_grad_() for x in (q, k, v))
+                ins = [q32, k32, v32, fmap32.L]
+                y = causal_linear_attention(*fmap32(q32, k32), v32, backend=b, squares=fmap32.squares(q32, k32))
+            else:
+                ins = [x.detach().to(dev).to(dtype).requires_grad_() for x in leaves]
+                y = causal_linear_attention(*ins, backend=b)
+            got = [y, *torch.autograd.grad(y, ins, dy.to(dev).to(y.dtype))]
             err = max(((x.double().cpu() - r).norm() / r.norm()).item() for x, r in zip(got, refs))
-            worst[b] = max(worst[b], err)
-    for b, err in worst.items():
-        print(f"check {b}: max relative error of y, dqf, dkf, dv against float64 over {len(shapes)} shapes = {err:.2e}")
+            worst[f"{b}, {case}"] = max(worst.get(f"{b}, {case}", 0.0), err)
+    for key, err in worst.items():
+        print(f"check {key}: max relative error of y and the gradients against float64 = {err:.2e}")
     if "triton" not in backends:
         print("triton: not run (needs a CUDA GPU; TRITON_INTERPRET=1 only checks correctness, slowly)")
     return worst
@@ -84,7 +113,10 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     if dev == "cpu":
         torch.set_num_threads(threads)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV] if dev == "cuda" else [(features, dim)])
+    if dev == "cuda":
+        check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
+    else:
+        check(dev, [(features, dim)], [(8, 6, dim)])
 
     def sdpa(q, k, v):
         if dev != "cuda":
@@ -127,7 +159,9 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     plot(rows, out.replace(".json", ".png"))
 
 
-FAMILIES = {"hedgehog": lambda D: 2 * D, "elu": lambda D: D, "taylor": lambda D: 1 + D + D * (D + 1) // 2}
+# map family -> (F at head dim D, SQ): the polynomial families run with their closed form (squares) in-tile
+FAMILIES = {"hedgehog": (lambda D: 2 * D, 0), "elu": (lambda D: D, 0),
+            "taylor": (lambda D: 1 + D + D * (D + 1) // 2, 2), "oal": (lambda D: 1 + D + D * (D + 1) // 2, 6)}
 
 
 def fla_linear_attention():
@@ -144,7 +178,10 @@ def device_report(cfg):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV] if dev == "cuda" else [(16, 8)])
+    if dev == "cuda":
+        worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
+    else:
+        worst = check(dev, [(16, 8)], [(8, 6, 8)])
     fla = fla_linear_attention() if dev == "cuda" else None
     if dev == "cuda" and fla is None:
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
@@ -161,32 +198,50 @@ def device_report(cfg):
     for shape in cfg["shapes"].split(","):
         B, H, D = (int(x) for x in shape.split("x"))
         for family in choices(cfg, "families", FAMILIES):
-            F_ = FAMILIES[family](D)
+            F_, SQ = FAMILIES[family][0](D), FAMILIES[family][1]
             for T in integers(cfg, "lengths", 1):
-                row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, T=T)
+                row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, SQ=SQ, T=T)
                 gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 4 * 2) / 2 ** 30  # features, states (x2 backward)
-                if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D)):
-                    rows.append(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "F not build-checked"))
+                if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D, D, SQ)):
+                    rows.append(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "not build-checked"))
                     print(f"{shape} {family:<8} T={T:<6} skipped: {rows[-1]['skipped']}")
                     continue
                 q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype) for _ in range(3))
                 qf, kf = (torch.rand(B, H, T, F_, device=dev, dtype=dtype) for _ in range(2))
                 methods = {"flash": (flash, (q, k, v)),
                            "ours": (lambda a, b, c: causal_linear_attention(a, b, c, backend=ours), (qf, kf, v))}
+                if SQ:  # timing only: the closed form's values need not match the random features here
+                    closed = (q, k, torch.rand(H, SQ, D, device=dev) / D, torch.rand(H, SQ, device=dev), torch.zeros(H, device=dev))
+                    methods["ours_features"] = methods["ours"]
+                    methods["ours"] = (lambda a, b, c: causal_linear_attention(a, b, c, backend=ours, squares=closed), (qf, kf, v))
                 if fla is not None:  # fla wants (B, T, H, K)
                     methods["fla"] = (lambda a, b, c: fla(a, b, c, scale=1.0, normalize=True)[0],
                                       tuple(x.transpose(1, 2).contiguous() for x in (qf, kf, v)))
-                for name, (fn, args) in methods.items():
+                for name, (fn, args) in list(methods.items()):
                     ins = [x.detach().requires_grad_() for x in args]
-                    with torch.no_grad():
-                        fwd = _time(lambda: fn(*ins), cfg["repeats"])
-                    both = _time(lambda: fn(*ins).sum().backward(), cfg["repeats"])
+                    try:
+                        with torch.no_grad():
+                            fwd = _time(lambda: fn(*ins), cfg["repeats"])
+                        both = _time(lambda: fn(*ins).sum().backward(), cfg["repeats"])
+                    except Exception as e:  # a peer's kernel may refuse a size (fla at F = 2145); say so, go on
+                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                        print(f"{shape} {family:<8} T={T:<6} {name}: {row[f'{name}_error']}")
+                        del methods[name]
+                        continue
                     row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
+                if "ours_fwd_ms" not in row or "flash_fwd_ms" not in row:
+                    rows.append(row)
+                    continue
                 row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
+                if ours == "triton":  # where the forward's time goes: pass 1 (chunk states and their prefix sum), pass 2
+                    flat = [x.reshape(B * H, T, -1) for x in (qf, kf, v)]
+                    ones = torch.ones(B * H, T, device=dev)
+                    row["ours_pass1_ms"] = _time(lambda: kernel._states(flat[1], flat[2], ones, False), cfg["repeats"]) * 1e3
+                    row["ours_pass2_ms"] = row["ours_fwd_ms"] - row["ours_pass1_ms"]
                 io = B * H * T * ((2 * F_ + D) * q.element_size() + D * 4)  # qf, kf, v in; y out (float32)
                 row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
                 row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
-                if fla is not None:
+                if "fla_fwd_ms" in row:
                     row["ours_vs_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
                 rows.append(row)
                 print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
@@ -202,6 +257,43 @@ def device_report(cfg):
     return rows
 
 
+def closed_form(cfg):
+    """What the polynomial maps' closed form (FeatureMap.squares) buys here, forward + backward: the O(T^2)
+    kernel matrix (fmap.scores, used by the distillation losses) from the closed form against the product
+    of the features, and the chunked fallback with squares against without, at each B x H x T x D of
+    closed_form_shapes (default: convert.py's GPT, 16 x 4 x 128 x 32, and Fig. 6's 12 heads of 64 at 2048 tokens)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        torch.set_num_threads(cfg["threads"])
+    rows = []
+    print(f"{'map':<10} {'B x H x T x D':>16} {'what':<28} {'features ms':>12} {'closed form ms':>15}")
+    for name in ("taylor", "quadratic", "oal"):
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in cfg["closed_form_shapes"].split(",")]
+        for (B, H, T, D), what in [(shapes[0], "scores")] + [(shape, "chunked attention") for shape in shapes]:
+            torch.manual_seed(0)
+            fmap = make_feature_map(name, D, H).to(dev)
+            if name == "oal":
+                fmap.set_groups(torch.randint(0, fmap.G, (H, D)))
+            q, k, v = (torch.randn(B, H, T, D, device=dev, requires_grad=True) for _ in range(3))
+
+            def run(sq):
+                if what == "scores" and sq:
+                    return fmap.scores(q, k).sum().backward()
+                qf, kf = fmap(q, k)
+                if what == "scores":
+                    return (qf @ kf.transpose(-1, -2)).sum().backward()
+                causal_linear_attention(qf, kf, v, backend="torch", squares=fmap.squares(q, k) if sq else None).sum().backward()
+            times = [_time(lambda: run(sq), cfg["repeats"]) * 1e3 for sq in (False, True)]
+            rows.append(dict(map=name, B=B, H=H, T=T, D=D, what=what, features_ms=times[0], closed_form_ms=times[1]))
+            print(f"{name:<10} {f'{B}x{H}x{T}x{D}':>16} {what:<28} {times[0]:>12.1f} {times[1]:>15.1f}", flush=True)
+    out = "results/closed_form.json"
+    os.makedirs("results", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({cfg['threads']} threads)",
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"saved {out}")
+
+
 def plot_report(rows, path):
     plt = pyplot()
     if plt is None:
@@ -215,7 +307,10 @@ def plot_report(rows, path):
             ax.loglog(Ts, [next(r["flash_fwd_ms"] for r in done if r["T"] == T) for T in Ts], "k-o", label="FlashAttention")
         for family in dict.fromkeys(r["family"] for r in done):
             rs = [r for r in done if r["family"] == family]
+            rs = [r for r in rs if "ours_fwd_ms" in r]
             ax.loglog([r["T"] for r in rs], [r["ours_fwd_ms"] for r in rs], "o-", label=f"ours, {family} (F={rs[0]['F']})")
+            if "ours_features_fwd_ms" in rs[0]:
+                ax.loglog([r["T"] for r in rs], [r["ours_features_fwd_ms"] for r in rs], ":", label=f"ours, {family}, scores from features")
             if "fla_fwd_ms" in rs[0]:
                 ax.loglog([r["T"] for r in rs], [r["fla_fwd_ms"] for r in rs], "x--", label=f"fla, {family}")
         ax.set(xlabel="tokens", ylabel="forward ms", title=f"B x H x D = {shape}")
@@ -255,8 +350,10 @@ if __name__ == "__main__":
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
         "report": False,  # the device report instead (see the docstring)
+        "closed_form": False,  # the polynomial maps' closed form against their features instead (see closed_form)
+        "closed_form_shapes": "16x4x128x32,1x12x2048x64",  # closed_form: B x H x T x D (scores timed at the first)
         "shapes": "1x12x64,8x32x128",  # report: B x H x D
-        "families": "hedgehog,elu,taylor",  # report: feature sizes 2D, D, 1 + D + D(D+1)/2
+        "families": "hedgehog,elu,taylor,oal",  # report: feature sizes 2D, D, 1 + D + D(D+1)/2 (the last two in-tile)
         "max_gib": 40.0,  # report: skip sizes whose features and states would take more
         "report_out": "",  # report: default results/kernel_<gpu>.json
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
@@ -264,6 +361,9 @@ if __name__ == "__main__":
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
     if cfg["report"]:
         device_report(cfg)
+        raise SystemExit(0)
+    if cfg["closed_form"]:
+        closed_form(cfg)
         raise SystemExit(0)
     benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

@@ -9,12 +9,14 @@ resource usage; ptxas and cuobjdump ship with triton).
 
 Prints the worst case per kernel, arch and dtype and saves every launch to results/build_check.json;
 exits 1 if any launch does not fit. The launches are recorded, not run: the forward and backward run
-on meta tensors (shapes, no data) with kernel.py's four kernels swapped for recorders of their
-launches. The shapes are kernel.BUILD_F x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts
-on CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
+on meta tensors (shapes, no data) with kernel.py's five kernels swapped for recorders of their
+launches. The shapes are kernel.BUILD_F x kernel.BUILD_DV, and for the closed-form scores (Taylor, the
+quadratic, OAL) kernel.BUILD_SQUARES x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts on
+CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
 chosen with it. It is its own file because compiling for machines you do not have is its own question.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -36,7 +38,7 @@ from triton.compiler import ASTSource
 SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
 
 
-KERNELS = ("_states_kernel", "_output_kernel", "_dqk_kernel", "_dv_kernel")
+KERNELS = ("_states_kernel", "_output_kernel", "_dqk_kernel", "_dv_kernel", "_dsquares_kernel")
 
 
 class Recorder:
@@ -49,16 +51,21 @@ class Recorder:
         return lambda *args, **meta: self.log.append((self.fn, grid, args, meta))
 
 
-def recorded_launches(F_, Dv, T, dtype):
-    """The kernel launches of one forward and one backward at these sizes, recorded on meta tensors."""
+def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
+    """The kernel launches of one forward and one backward at these sizes (SQ > 0: with the closed-form
+    scores on D dims), recorded on meta tensors."""
     log, jitted = [], {name: getattr(kernel, name) for name in KERNELS}
     try:
         for name, fn in jitted.items():
             setattr(kernel, name, Recorder(fn, log))
         q, k = (torch.empty(1, T, F_, device="meta", dtype=dtype) for _ in range(2))
         v = torch.empty(1, T, Dv, device="meta", dtype=dtype)
-        y, den = kernel._triton_forward(q, k, v, kernel.EPS)
-        kernel._triton_backward(q, k, v, y, den, torch.empty_like(v))
+        sq = None
+        if SQ:
+            sq = tuple(torch.empty(*shape, device="meta", dtype=torch.float32) for shape in
+                       ((1, T, D), (1, T, D), (1, SQ, D), (1, SQ), (1,)))
+        y, den = kernel._triton_forward(q, k, v, kernel.EPS, sq)
+        kernel._triton_backward(q, k, v, y, den, torch.empty_like(v), sq)
         return log
     finally:
         for name, fn in jitted.items():
@@ -93,6 +100,8 @@ def compile_launch(fn, args, meta, arch):
 def programs(kern, F_, Dv, BH, T):
     """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
     cfg, N = kernel._configs(F_, Dv)[kern], triton.cdiv(T, kernel.CHUNK)
+    if kern == "dsquares":
+        return N * BH
     if kern == "states":
         return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH * N
     return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
@@ -100,41 +109,45 @@ def programs(kern, F_, Dv, BH, T):
 
 def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, verbose=True):
     """Compile every launch that causal_linear_attention(backend="triton") makes, forward and backward,
-    for every (F, Dv) in kernel.BUILD_F x kernel.BUILD_DV and each dtype, for each GPU arch; check that each fits the
-    arch's shared memory per block and spills no registers (a stack frame means spills). Launches that
-    compile to the same code are compiled once. Returns the rows; `ok` is False for a launch that fails."""
+    for every (F, Dv) in kernel.BUILD_F x kernel.BUILD_DV, and with the closed-form scores for every (D, SQ)
+    in kernel.BUILD_SQUARES x kernel.BUILD_DV (F = 1 + D + D(D+1)/2), in each dtype, for each GPU arch; check
+    that each fits the arch's shared memory per block and spills no registers (a stack frame means spills).
+    Launches that compile to the same code are compiled once. Returns the rows; `ok` is False for a launch
+    that fails."""
+    shapes = [(F_, Dv, 0, 0) for F_ in kernel.BUILD_F for Dv in kernel.BUILD_DV] + \
+        [(1 + D + D * (D + 1) // 2, Dv, D, SQ) for D, SQ in kernel.BUILD_SQUARES for Dv in kernel.BUILD_DV]
     rows, seen = [], {}
     for dtype in dtypes:
-        for F_ in kernel.BUILD_F:
-            for Dv in kernel.BUILD_DV:
-                for fn, grid, args, meta in recorded_launches(F_, Dv, T, dtype):
-                    specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
-                    dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
-                    for arch in archs:
-                        key = (fn.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
-                               tuple(sorted(meta.items())))
-                        if key not in seen:
-                            seen[key] = compile_launch(fn, args, meta, arch)
-                        shared, regs, stack = seen[key]
-                        rows.append(dict(kernel=fn.fn.__name__.strip("_").removesuffix("_kernel"), arch=arch,
-                                         dtype=str(dtype).removeprefix("torch."), F=F_, Dv=Dv, programs=grid[0] * grid[1] * grid[2],
-                                         grid=grid, **{k: meta[k] for k in ("BK", "BV", "num_warps", "num_stages")},
-                                         shared=shared, regs=regs, stack=stack,
-                                         ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
+        for F_, Dv, D, SQ in shapes:
+            for fn, grid, args, meta in recorded_launches(F_, Dv, T, dtype, D, SQ):
+                specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
+                dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
+                for arch in archs:
+                    key = (fn.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
+                           tuple(sorted(meta.items())))
+                    if key not in seen:
+                        seen[key] = compile_launch(fn, args, meta, arch)
+                    shared, regs, stack = seen[key]
+                    rows.append(dict(kernel=fn.fn.__name__.strip("_").removesuffix("_kernel"), arch=arch,
+                                     dtype=str(dtype).removeprefix("torch."), F=F_, Dv=Dv, D=D, SQ=SQ,
+                                     programs=math.prod(grid), grid=grid, BK=meta.get("BK", meta.get("BD")),
+                                     **{k: meta[k] for k in ("BV", "num_warps", "num_stages")},
+                                     shared=shared, regs=regs, stack=stack,
+                                     ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
     if verbose:
         print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(kernel.BUILD_F)} F x {len(kernel.BUILD_DV)} Dv x 4 kernels, T = {T}); worst case per kernel, arch and dtype:")
-        print(f"{'kernel':<7} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
+              f"{len(shapes)} shapes x 4-5 kernels, T = {T}); worst case per kernel, arch and dtype:")
+        print(f"{'kernel':<16} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
         groups = {}
         for r in rows:
-            groups.setdefault((r["kernel"], r["arch"], r["dtype"]), []).append(r)
+            groups.setdefault((r["kernel"] + ("+squares" if r["SQ"] else ""), r["arch"], r["dtype"]), []).append(r)
         for (kern, arch, dtype), rs in groups.items():
             tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
-            print(f"{kern:<7} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "
+            print(f"{kern:<16} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "
                   f"{rs[0]['num_stages']:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
                   f" {max(r['regs'] for r in rs):>5} {sum(r['stack'] > 0 for r in rs):>6} {sum(not r['ok'] for r in rs):>4}"
-                  f"   {programs(kern, 64, 64, 12, 32768)}")
+                  f"   {programs(kern.removesuffix('+squares'), 64, 64, 12, 32768)}")
         bad = [r for r in rows if not r["ok"]]
         for r in bad:
             print(f"FAILS: {r}")

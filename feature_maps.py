@@ -81,11 +81,29 @@ class FeatureMap(nn.Module):
     def forward(self, q, k, offset=0):
         return self.phi(_fp32(q)), self.phi(_fp32(k))
 
+    def squares(self, q, k):
+        """The kernel in closed form, or None (the default): (q', k', lam, c, base), q', k' (B, H, T, D),
+        lam (H, SQ, D), c (H, SQ), base (H,), in float32 (float64 stays), with
+
+            phi_q(q_i) . phi_k(k_j) = base + sum_r (c_r + sum_l lam_rl q'_il k'_jl)^2.
+
+        The polynomial maps have one: their F = 1 + D + D(D+1)/2 features only carry the state, and the
+        scores of nearby pairs cost SQ D each instead of F (kernel.causal_linear_attention's squares)."""
+        return None
+
     def scores(self, q, k):
-        """The kernel at every pair, phi_q(q_i) . phi_k(k_j): (B, H, T, T) in float32, unnormalised. The
-        O(T^2) forms (attention.attention_weights, the distillation losses) start from this."""
-        qf, kf = self(q, k)
-        return _fp32(qf) @ _fp32(kf).transpose(-1, -2)
+        """The kernel at every pair, phi_q(q_i) . phi_k(k_j): (B, H, T, S) in float32, unnormalised. The
+        O(T^2) forms (attention.attention_weights, the distillation losses) start from this: from the
+        closed form (squares) when that costs less per pair than the features."""
+        sq, D = self.squares(q, k), q.shape[-1]
+        if sq is None or sq[2].shape[1] * D >= 1 + D + D * (D + 1) // 2:  # per pair: SQ D against the polynomial maps' F
+            qf, kf = self(q, k)
+            return _fp32(qf) @ _fp32(kf).transpose(-1, -2)
+        q, k, lam, c, base = sq
+        K = base[:, None, None]
+        for r in range(lam.shape[1]):
+            K = K + ((q * lam[:, None, r]) @ k.transpose(-1, -2) + c[:, r, None, None]).square()
+        return K
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +231,14 @@ class Taylor(FeatureMap):
         x = x / self.D ** 0.25
         return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x)], dim=-1)
 
+    def squares(self, q, k):
+        # 1 + s + s^2/2 = (1 + s/2)^2 + (s/2)^2,  s = q.k / sqrt(D)
+        q, k = _fp32(q), _fp32(k)
+        H = q.shape[1]
+        lam = torch.full((H, 2, self.D), 0.5 / math.sqrt(self.D), dtype=q.dtype, device=q.device)
+        c = torch.tensor([1.0, 0.0], dtype=q.dtype, device=q.device).expand(H, 2)
+        return q, k, lam, c, torch.zeros(H, dtype=q.dtype, device=q.device)
+
 
 # ----------------------------------------------------------------------------------------------
 # learned maps
@@ -294,6 +320,14 @@ class TaylorShift(FeatureMap):
         qf = torch.cat([one, tau * q, tau ** 2 * quadratic_features(q)], dim=-1)
         kf = torch.cat([one, k, quadratic_features(k)], dim=-1)
         return qf, kf
+
+    def squares(self, q, k):
+        # 1 + tau x + (tau x)^2 / 2 = (1 + tau x / 2)^2 + (tau x / 2)^2 on the normalised q, k
+        q, k = F.normalize(_fp32(q), dim=-1), F.normalize(_fp32(k), dim=-1)
+        H, D = q.shape[1], q.shape[-1]
+        lam = (self.tau.to(q.dtype) / 2).expand(H, 2, D)
+        c = torch.tensor([1.0, 0.0], dtype=q.dtype, device=q.device).expand(H, 2)
+        return q, k, lam, c, torch.zeros(H, dtype=q.dtype, device=q.device)
 
 
 class DiJiang(FeatureMap):
@@ -383,21 +417,13 @@ class OAL(FeatureMap):
                         s0 ** 2 * (mu * C_pair)[:, None, :] * pair_products(q)], dim=-1)  # (B, H, T, P)
         return qf, kf
 
-    def scores(self, q, k):
-        """K(q_i, k_j) at every pair straight from the definition: the group partial logits z_g, then
-        eps + ||[1, z] L||^2. That costs G D + (G+1)^2 per pair against the features' 1 + D + D(D+1)/2,
-        so the features are used when they are cheaper (one group per dimension)."""
-        H, D = self.groups.shape
-        G = self.G
-        if G * D + (G + 1) ** 2 >= 1 + D + D * (D + 1) // 2:
-            return super().scores(q, k)
+    def squares(self, q, k):
+        # K = eps + sum_r w_r^2,  w_r = ([1, z] L)_r = L_0r + sum_g z_g L_(g+1)r = L_0r + sum_l L_(g(l)+1)r q_l k_l / sqrt(D)
         q, k = _fp32(q), _fp32(k)
-        T, S = q.shape[-2], k.shape[-2]
-        dims = F.one_hot(self.groups, G).transpose(1, 2).to(q.dtype)  # (H, G, D): the dimensions of each group
-        z = (q[:, :, None] * dims[:, :, None]) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (B, H, G, T, S)
+        H, D = self.groups.shape
         L = torch.tril(self.L).to(q.dtype)  # (H, G+1, G+1)
-        w = L[:, 1:].transpose(1, 2) @ z.flatten(3) + L[:, 0, :, None]  # [1, z] L: (B, H, G+1, T*S)
-        return (w.pow(2).sum(2) + self.eps).unflatten(-1, (T, S))
+        lam = L[torch.arange(H, device=q.device)[:, None], self.groups + 1].transpose(1, 2) / math.sqrt(D)  # (H, G+1, D)
+        return q, k, lam, L[:, 0], torch.full((H,), self.eps, dtype=q.dtype, device=q.device)
 
 
 # ----------------------------------------------------------------------------------------------

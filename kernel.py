@@ -5,11 +5,16 @@ Causal linear attention, fast: Triton kernels (forward and backward) and a chunk
 
 (Hedgehog Sec. 2, OAL Sec. 2 and 4.4.) Public entry point:
 
-    causal_linear_attention(qf, kf, v, eps=EPS, backend="auto")
+    causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None)
         qf, kf: (B, H, T, F) features, v: (B, H, T, Dv) -> y: (B, H, T, Dv) in v's dtype, differentiable.
         backend "torch": the chunked fallback; "triton": the kernels; "auto": Triton on CUDA tensors for
         the sizes the build check covers (else the fallback, said once), Triton on CPU tensors when
         TRITON_INTERPRET=1 was set before import, else the fallback.
+        squares: the polynomial maps' kernel in closed form (FeatureMap.squares; Taylor, TaylorShift, the
+        quadratic and OAL), qf_i . kf_j = base + sum_r (c_r + sum_l lam_rl q_il k_jl)^2 on the raw q, k
+        (B, H, T, D), with lam (H, SQ, D), c (H, SQ), base (H,). Then the scores within a chunk come from
+        it: SQ D multiply-adds per pair instead of F = 1 + D + D(D+1)/2 (2 x 64 against 2145 for Taylor
+        at D = 64; OAL's G groups give SQ = G + 1), and the features only carry the state.
 
 Both compute the same chunked algorithm: split time into chunks of C tokens; within a chunk, the
 masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_j v_j^T (F x Dv) and
@@ -24,21 +29,30 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
                            q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
+  squares                  the scores within a chunk from the closed form (_square_scores) in pass 2 and
+                           _dv_kernel; their gradients in _dsquares_kernel (grid T/C, B*H, 2), which also
+                           gives each chunk's share of dlam, dc, dbase (summed over chunks afterwards).
+Precision: bfloat16 features go into tl.dot as bfloat16 (tensor cores, float32 accumulation); the state,
+the score block and dnum are rounded to bfloat16 where they meet a dot, as in flash-linear-attention and
+FlashAttention, and everything else (sums, the denominator, the state itself) is float32. float32 and
+float16 features take float32 dots (TF32 on a GPU): a state rounded to float16 could overflow.
 Cost per token and head, forward, C = 64: pass 1 2 F Dv flops; pass 2 2 C (F + Dv) + 2 F Dv flops (the
-masked half of each chunk's scores is computed too), against FlashAttention's 2 D T (causal). Bytes per
-token and head: q, k, v in, y out, and the state, F Dv 4 / C bytes written once and read three times
-(the prefix sum reads and writes it once more). The states take B H (T/C) F Dv 4 bytes, twice that in
-the backward. Pass 1 runs T/C times more programs than a pass that walks the chunks in order (the
-design before this one, which docs/results.md measured on a GPU): no part of it is serial in T.
-Tiles, warps and stages (_configs) were chosen with the build check: `python build_check.py` compiles
-every launch ahead of time for sm_80 and sm_90 on any machine (triton.compile with a GPUTarget; ptxas
-and cuobjdump ship with triton) and checks shared memory and register spills.
+masked half of each chunk's scores is computed too; with squares 2 C (SQ D + Dv) + 2 F Dv), against
+FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in, y out, and the state, F Dv 4 / C
+bytes written once and read three times (the prefix sum reads and writes it once more). The states take
+B H (T/C) F Dv 4 bytes, twice that in the backward. Pass 1 runs T/C times more programs than a pass
+that walks the chunks in order (the design before this one, which docs/results.md measured on a GPU):
+no part of it is serial in T. Tiles, warps and stages (_configs) were chosen with the build check:
+`python build_check.py` compiles every launch ahead of time for sm_80 and sm_90 on any machine
+(triton.compile with a GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and
+register spills.
 
 Where this was tested: both backends against a float64 reference, forward and gradients, with
-float32/bfloat16/float16 inputs at odd sizes; the fallback on CPU (torch 2.13), the Triton kernels in
-the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9, float32 arithmetic), and compiled for sm_80
-and sm_90 by the build check. The design with a serial pass 1 also ran on an NVIDIA H200 (triton 3.6,
-where an fp32 tl.dot uses TF32); the chunk-parallel pass 1 has not yet run on a GPU.
+float32/bfloat16/float16 inputs at odd sizes, with and without squares; the fallback on CPU (torch 2.13),
+the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9; float32 arithmetic,
+the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
+the build check. The design with a serial pass 1, float32 dots and no squares also ran on an NVIDIA
+H200 (triton 3.6); the present kernels have not yet run on a GPU.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import math
@@ -76,6 +90,13 @@ def _exclusive_cumsum(x, reverse=False):
     return out
 
 
+def _square_terms(q, k, lam, c):
+    """W_r = c_r + (q * lam_r) k^T in every chunk, the terms of the closed-form scores (see squares in
+    causal_linear_attention). q, k (B, H, N, C, D), lam (H, SQ, D), c (H, SQ) -> W (B, H, N, SQ, C, C), q * lam."""
+    ql = q[:, :, :, None] * lam[:, None, :, None, :]  # (B, H, N, SQ, C, D)
+    return (ql @ k[:, :, :, None].transpose(-1, -2)).add_(c[:, None, :, None, None]), ql
+
+
 class _ChunkedLinearAttention(torch.autograd.Function):
     """Causal linear attention in chunks of C tokens, forward and backward by hand.
 
@@ -92,10 +113,15 @@ class _ChunkedLinearAttention(torch.autograd.Function):
     The forward's A and S are saved and reused, so forward + backward is 12 batched C x 64 x 64-sized
     matmuls (three separate causal dots would take 16), and the denominator is kept out of the matmuls
     (a 65th column slows them down). Sums run in float32 (float64 stays float64).
+
+    With squares, A comes from the closed form instead, A = tril(base + sum_r W_r^2), W_r = c_r + (q' lam_r) k'^T
+    on the raw q', k' (D wide, not F), and the G k, G^T q terms become, with dW_r = 2 G W_r:
+        dq' = sum_r lam_r (dW_r k'),   dk' = sum_r dW_r^T (q' lam_r),   dlam_r = sum_i q'_i (dW_r k')_i,
+        dc_r = sum dW_r,   dbase = sum G.
     """
 
     @staticmethod
-    def forward(ctx, qf, kf, v, eps, chunk):
+    def forward(ctx, qf, kf, v, eps, chunk, qs, ks, lam, c, base):
         B, H, T, F_ = qf.shape
         Dv = v.shape[-1]
         ctx.dtypes = (qf.dtype, kf.dtype, v.dtype)
@@ -104,7 +130,16 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         q, k, v = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (qf, kf, v))
         q, k, v = (x.to(dtype).reshape(-1, chunk, x.shape[-1]) for x in (q, k, v))  # (B*H*N, C, .)
         BH, N = B * H, q.shape[0] // (B * H)
-        A = torch.bmm(q, k.transpose(1, 2)).tril_()  # (BHN, C, C)
+        if qs is None:
+            A = torch.bmm(q, k.transpose(1, 2)).tril_()  # (BHN, C, C)
+            ctx.squares = None
+        else:
+            ctx.squares_dtypes = [x.dtype for x in (qs, ks, lam, c, base)]
+            qs, ks = (F.pad(x, (0, 0, 0, pad)).to(dtype).view(B, H, N, chunk, -1) for x in (qs, ks))  # (B, H, N, C, D)
+            lam, c, base = (x.to(dtype) for x in (lam, c, base))
+            W, ql = _square_terms(qs, ks, lam, c)
+            A = W.square().sum(3).add_(base[:, None, None, None]).view(-1, chunk, chunk).tril_()
+            ctx.squares = (qs, ks, lam, W, ql)
         S = _exclusive_cumsum(torch.bmm(k.transpose(1, 2), v).view(BH, N, F_, Dv)).view(-1, F_, Dv)
         z = _exclusive_cumsum(k.sum(1).view(BH, N, F_)).view(-1, F_, 1)
         num = torch.bmm(A, v).baddbmm_(q, S)  # (BHN, C, Dv)
@@ -126,10 +161,25 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         G = torch.bmm(dnum, v.transpose(1, 2)).add_(dden).tril_()  # (BHN, C, C)
         R = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dnum).view(BH, N, F_, Dv), reverse=True).view(-1, F_, Dv)
         r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
-        dq = torch.bmm(G, k).baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
-        dk = torch.bmm(G.transpose(1, 2), q).baddbmm_(v, R.transpose(1, 2)).add_(r)
+        dq = torch.baddbmm(dden * z.transpose(1, 2), dnum, S.transpose(1, 2))
+        dk = torch.baddbmm(r, v, R.transpose(1, 2))
+        dsquares = (None,) * 5
+        if ctx.squares is None:
+            dq.baddbmm_(G, k)
+            dk.baddbmm_(G.transpose(1, 2), q)
+        else:
+            qs, ks, lam, W, ql = ctx.squares
+            G5 = G.view(B, H, N, C, C)
+            dW = 2 * G5[:, :, :, None] * W  # (B, H, N, SQ, C, C)
+            dWk = dW @ ks[:, :, :, None]  # (B, H, N, SQ, C, D)
+            dqs = (dWk * lam[:, None, :, None, :]).sum(3)
+            dks = (dW.transpose(-1, -2) @ ql).sum(3)
+            dlam, dc, dbase = (dWk * qs[:, :, :, None]).sum((0, 2, 4)), dW.sum((0, 2, 4, 5)), G5.sum((0, 2, 3, 4))
+            dsquares = (dqs.flatten(2, 3)[:, :, :T], dks.flatten(2, 3)[:, :, :T], dlam, dc, dbase)
+            dsquares = tuple(x.to(t) for x, t in zip(dsquares, ctx.squares_dtypes))
         dv = torch.bmm(A.transpose(1, 2), dnum).baddbmm_(k, R)
-        return tuple(x.view(B, H, N * C, -1)[:, :, :T].to(t) for x, t in zip((dq, dk, dv), ctx.dtypes)) + (None, None)
+        grads = tuple(x.view(B, H, N * C, -1)[:, :, :T].to(t) for x, t in zip((dq, dk, dv), ctx.dtypes))
+        return grads + (None, None) + dsquares
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,10 +189,41 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 # States: S (BH, N, F, Dv) and z (BH, N, F), float32; S[n] is the sum over the chunks before n.
 
 if HAS_TRITON:
+    EMULATE = tl.constexpr(INTERPRET)  # the CPU interpreter: bf16 dots emulated in float32 (see _dot)
+
+    @triton.jit
+    def _dot(a, b, BF16: tl.constexpr):
+        # a @ b of float32 tiles, accumulated in float32. BF16: both operands rounded to bfloat16 first, a
+        # tensor-core dot on a GPU (float32 operands take TF32 there). The CPU interpreter's bf16 tl.dot gives
+        # wrong results, so there the rounded operands go in as float32: the same products (exact in
+        # float32), summed in float32.
+        if BF16:
+            if EMULATE:
+                return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _square_scores(a_ptr, b_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H,
+                       C: tl.constexpr, SQ: tl.constexpr, BD: tl.constexpr, BF16: tl.constexpr):
+        # One chunk's scores in closed form from the raw a = q', b = k' (BH, T, D) of tokens t, (C, C):
+        #     A_ij = base + sum_r W_r,ij^2,   W_r = c_r + (a lam_r) b^T      (a = k', b = q' gives A^T)
+        # over SQ terms r, with head bh % H's lam (SQ, D), c (SQ,), base. D fits one tile of BD.
+        h = bh % H
+        rd = tl.arange(0, BD)
+        in_d = (t[:, None] < T) & (rd[None, :] < D)
+        a = tl.load(a_ptr + bh * T * D + t[:, None] * D + rd[None, :], mask=in_d, other=0.0).to(tl.float32)  # (C, BD)
+        b = tl.load(b_ptr + bh * T * D + t[:, None] * D + rd[None, :], mask=in_d, other=0.0).to(tl.float32)
+        A = tl.zeros((C, C), dtype=tl.float32) + tl.load(base_ptr + h)
+        for r in range(SQ):
+            lam = tl.load(lam_ptr + (h * SQ + r) * D + rd, mask=rd < D, other=0.0)
+            W = tl.load(c_ptr + h * SQ + r) + _dot(a * lam[None, :], tl.trans(b), BF16)
+            A += W * W
+        return A
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _states_kernel(k_ptr, v_ptr, w_ptr, S_ptr, z_ptr, T, F, DV, N,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr):
         # Pass 1. Program (bh * N + n, i_k, i_v): the (BK, BV) tile of chunk n's own sum  k_n^T v_n,
         # and, in the i_v = 0 programs, k_n^T w_n (w: one weight per token). Every chunk at once;
         # _states() then turns these into the running sums over earlier (or later) chunks.
@@ -153,7 +234,7 @@ if HAS_TRITON:
         t = n * C + tl.arange(0, C)
         k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
         v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
-        S = tl.dot(tl.trans(k), v)  # (BK, BV)
+        S = _dot(tl.trans(k), v, BF16)  # (BK, BV)
         tl.store(S_ptr + i_c * F * DV + rk[:, None] * DV + rv[None, :], S, mask=(rk[:, None] < F) & (rv[None, :] < DV))
         if i_v == 0:
             w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
@@ -161,9 +242,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       qs_ptr, ks_ptr, lam_ptr, c_ptr, base_ptr, D, H,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr,
+                       SQ: tl.constexpr, BD: tl.constexpr):
         # Pass 2 (forward). Program (i_v, n, bh): chunk n, value columns [i_v BV, +BV), all F in BK tiles.
         #     A = tril(q k^T),  y = (A v + q S[n]) / (A 1 + q z[n] + eps)
+        # SQ > 0: A from the closed form (_square_scores), and the features only meet the state.
         i_v, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rv = i_v * BV + tl.arange(0, BV)
         rt = tl.arange(0, C)
@@ -179,27 +263,32 @@ if HAS_TRITON:
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
             S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
             z = tl.load(z_ptr + rk, mask=rk < F, other=0.0)
-            A += tl.dot(q, tl.trans(k))  # (C, C)
-            o += tl.dot(q, S)  # (C, BV)
+            if SQ == 0:
+                k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+                A += _dot(q, tl.trans(k), BF16)  # (C, C)
+            o += _dot(q, S, BF16)  # (C, BV)
             qz += tl.sum(q * z[None, :], 1)
+        if SQ > 0:
+            A = _square_scores(qs_ptr, ks_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H, C, SQ, BD, BF16)
         A = tl.where(rt[:, None] >= rt[None, :], A, 0.0)
         in_v = (t[:, None] < T) & (rv[None, :] < DV)
         v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)
         den = tl.sum(A, 1) + qz + eps  # (C,)
-        y = (o + tl.dot(A, v)) / den[:, None]
+        y = (o + _dot(A, v, BF16)) / den[:, None]
         tl.store(y_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], y, mask=in_v)
         if i_v == 0:
             tl.store(den_ptr + bh * T + t, den, mask=t < T)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _dqk_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, S_ptr, z_ptr, R_ptr, r_ptr, dq_ptr, dk_ptr,
-                    T, F, DV, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                    T, F, DV, N, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr,
+                    SQ: tl.constexpr):
         # Backward, program (i_k, n, bh): feature columns [i_k BK, +BK) of chunk n, all Dv in BV tiles.
         #     G  = tril(dnum v^T + dden 1^T)
         #     dq = G k + dnum S[n]^T + dden z[n]^T,     dk = G^T q + v R[n]^T + 1 r[n]^T
+        # SQ > 0: the scores within a chunk came from the closed form; no G terms here (_dsquares_kernel's).
         i_k, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rk = i_k * BK + tl.arange(0, BK)
         rt = tl.arange(0, C)
@@ -219,26 +308,32 @@ if HAS_TRITON:
             dnum = tl.load(dnum_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
             S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)  # (BK, BV)
             R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)
-            G += tl.dot(dnum, tl.trans(v))
-            dq += tl.dot(dnum, tl.trans(S))
-            dk += tl.dot(v, tl.trans(R))
+            if SQ == 0:
+                G += _dot(dnum, tl.trans(v), BF16)
+            dq += _dot(dnum, tl.trans(S), BF16)
+            dk += _dot(v, tl.trans(R), BF16)
         dden = tl.load(dden_ptr + bh * T + t, mask=t < T, other=0.0)
-        G = tl.where(rt[:, None] >= rt[None, :], G + dden[:, None], 0.0)
         in_k = (t[:, None] < T) & (rk[None, :] < F)
-        q = tl.load(q_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + (bh * N + n) * F + rk, mask=rk < F, other=0.0)
         r = tl.load(r_ptr + (bh * N + n) * F + rk, mask=rk < F, other=0.0)
-        dq += tl.dot(G, k) + dden[:, None] * z[None, :]
-        dk += tl.dot(tl.trans(G), q) + r[None, :]
+        dq += dden[:, None] * z[None, :]
+        dk += r[None, :]
+        if SQ == 0:
+            G = tl.where(rt[:, None] >= rt[None, :], G + dden[:, None], 0.0)
+            q = tl.load(q_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+            dq += _dot(G, k, BF16)
+            dk += _dot(tl.trans(G), q, BF16)
         tl.store(dq_ptr + bh * T * F + t[:, None] * F + rk[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_k)
         tl.store(dk_ptr + bh * T * F + t[:, None] * F + rk[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_k)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _dv_kernel(q_ptr, k_ptr, dnum_ptr, R_ptr, dv_ptr, T, F, DV, N,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   qs_ptr, ks_ptr, lam_ptr, c_ptr, base_ptr, D, H,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr,
+                   SQ: tl.constexpr, BD: tl.constexpr):
         # Backward, program (i_v, n, bh): value columns [i_v BV, +BV) of chunk n, all F in BK tiles.
-        #     dv = A^T dnum + k R[n],   A^T_ji = k_j . q_i for i >= j
+        #     dv = A^T dnum + k R[n],   A^T_ji = k_j . q_i for i >= j   (SQ > 0: A^T from the closed form)
         i_v, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rv = i_v * BV + tl.arange(0, BV)
         rt = tl.arange(0, C)
@@ -251,17 +346,64 @@ if HAS_TRITON:
         for i in range(0, tl.cdiv(F, BK)):
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
-            q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
             R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
-            At += tl.dot(k, tl.trans(q))  # (C, C)
-            dv += tl.dot(k, R)  # (C, BV)
+            if SQ == 0:
+                q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
+                At += _dot(k, tl.trans(q), BF16)  # (C, C)
+            dv += _dot(k, R, BF16)  # (C, BV)
+        if SQ > 0:
+            At = _square_scores(ks_ptr, qs_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H, C, SQ, BD, BF16)
         At = tl.where(rt[:, None] <= rt[None, :], At, 0.0)
         in_v = (t[:, None] < T) & (rv[None, :] < DV)
         dnum = tl.load(dnum_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
-        dv += tl.dot(At, dnum)
+        dv += _dot(At, dnum, BF16)
         tl.store(dv_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_v)
 
+    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
+    def _dsquares_kernel(qs_ptr, ks_ptr, lam_ptr, c_ptr, v_ptr, dnum_ptr, dden_ptr, dqs_ptr, dks_ptr,
+                         dlam_ptr, dc_ptr, dbase_ptr, T, D, DV, N, H, C: tl.constexpr, BV: tl.constexpr,
+                         BF16: tl.constexpr, SQ: tl.constexpr, BD: tl.constexpr):
+        # Backward of the closed-form scores, program (n, bh, side): chunk n, all D in one BD tile, Dv in BV tiles.
+        #     G = tril(dnum v^T + dden 1^T),  W_r = c_r + (q' lam_r) k'^T,  dW_r = 2 G W_r
+        #     side 0: dq' = sum_r lam_r (dW_r k'), and this chunk's share of dlam_r = sum_i q'_i (dW_r k')_i, dbase = sum G
+        #     side 1: dk' = sum_r dW_r^T (q' lam_r), and this chunk's share of dc_r = sum dW_r
+        # (two programs per chunk, each recomputing G and W: one holding dq' and dk' both spills registers)
+        n, bh, side = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        h = bh % H
+        rt = tl.arange(0, C)
+        rd = tl.arange(0, BD)
+        t = n * C + rt
+        G = tl.zeros((C, C), dtype=tl.float32)
+        for j in range(0, tl.cdiv(DV, BV)):
+            rv = j * BV + tl.arange(0, BV)
+            in_v = (t[:, None] < T) & (rv[None, :] < DV)
+            v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)  # (C, BV)
+            dnum = tl.load(dnum_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
+            G += _dot(dnum, tl.trans(v), BF16)
+        dden = tl.load(dden_ptr + bh * T + t, mask=t < T, other=0.0)
+        G = tl.where(rt[:, None] >= rt[None, :], G + dden[:, None], 0.0)  # (C, C)
+        in_d = (t[:, None] < T) & (rd[None, :] < D)
+        q = tl.load(qs_ptr + bh * T * D + t[:, None] * D + rd[None, :], mask=in_d, other=0.0).to(tl.float32)  # (C, BD)
+        k = tl.load(ks_ptr + bh * T * D + t[:, None] * D + rd[None, :], mask=in_d, other=0.0).to(tl.float32)
+        grad = tl.zeros((C, BD), dtype=tl.float32)  # dq' (side 0) or dk' (side 1)
+        out = (bh * N + n) * SQ  # this chunk's row in dlam (BH*N*SQ, D) and dc (BH*N*SQ,)
+        for r in range(SQ):
+            lam = tl.load(lam_ptr + (h * SQ + r) * D + rd, mask=rd < D, other=0.0)
+            ql = q * lam[None, :]
+            dW = 2 * G * (tl.load(c_ptr + h * SQ + r) + _dot(ql, tl.trans(k), BF16))  # (C, C), 0 above the diagonal
+            if side == 0:
+                dWk = _dot(dW, k, BF16)  # (C, BD)
+                grad += lam[None, :] * dWk
+                tl.store(dlam_ptr + (out + r) * D + rd, tl.sum(q * dWk, 0), mask=rd < D)
+            else:
+                grad += _dot(tl.trans(dW), ql, BF16)
+                tl.store(dc_ptr + out + r, tl.sum(tl.sum(dW, 1), 0))
+        if side == 0:
+            tl.store(dbase_ptr + bh * N + n, tl.sum(tl.sum(G, 1), 0))
+            tl.store(dqs_ptr + bh * T * D + t[:, None] * D + rd[None, :], grad.to(dqs_ptr.dtype.element_ty), mask=in_d)
+        else:
+            tl.store(dks_ptr + bh * T * D + t[:, None] * D + rd[None, :], grad.to(dks_ptr.dtype.element_ty), mask=in_d)
 
 CHUNK = 64  # tokens per chunk in the Triton kernels
 
@@ -271,15 +413,26 @@ def _tile(n, cap):
     return min(cap, max(16, triton.next_power_of_2(n)))
 
 
-def _configs(F, Dv):
-    """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv. Chosen so that
-    every launch fits sm_80's and sm_90's shared memory and spills no registers (`python build_check.py`
-    compiles them all and prints the cost of each)."""
+def _configs(F, Dv, squares=False):
+    """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv (squares: with the
+    closed-form scores). Chosen so that every launch fits sm_80's and sm_90's shared memory and spills no
+    registers (`python build_check.py` compiles them all and prints the cost of each)."""
     return {"states": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
-            # 4 warps at Dv <= 32: with 8, triton 3.6 spills 8 bytes on sm_80 (bf16 inputs, F not a multiple of 16)
-            "dv": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=4 if Dv <= 32 else 8, num_stages=2)}
+            # 4 warps at Dv <= 32: with 8, triton 3.6 spills 8 bytes on sm_80 (bf16 inputs, F not a multiple of 16);
+            # with squares 4 warps spill instead (float32, D = 64, 6 terms, sm_80)
+            "dv": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=4 if Dv <= 32 and not squares else 8, num_stages=2),
+            "dsquares": dict(BV=_tile(Dv, 32), num_warps=8, num_stages=2)}
+
+
+def _squares_args(sq, q):
+    """The closed form's launch arguments: (qs, ks, lam, c, base, D, H) and the constexprs SQ (its number
+    of terms; 0 = scores from the features, when q stands in for the pointers, unread) and BD (D's tile)."""
+    if sq is None:
+        return (q, q, q, q, q, 1, 1), dict(SQ=0, BD=16)
+    qs, ks, lam, c, base = sq
+    return (qs, ks, lam, c, base, qs.shape[-1], lam.shape[0]), dict(SQ=lam.shape[1], BD=_tile(qs.shape[-1], 128))
 
 
 def _states(k, v, w, reverse):
@@ -292,25 +445,29 @@ def _states(k, v, w, reverse):
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["states"]
     grid = (BH * N, triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
-    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, **cfg)
+    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, BF16=k.dtype == torch.bfloat16, **cfg)
     return _exclusive_cumsum(S, reverse), _exclusive_cumsum(z, reverse)
 
 
-def _triton_forward(q, k, v, eps):
+def _triton_forward(q, k, v, eps, sq=None):
     """q, k (BH, T, F), v (BH, T, Dv) contiguous -> y (BH, T, Dv), den (BH, T), both float32 (the backward
-    needs y exactly: its dden = -(dnum . y) cancels against dnum . v)."""
+    needs y exactly: its dden = -(dnum . y) cancels against dnum . v). sq: the closed form (qs, ks (BH, T, D),
+    lam (H, SQ, D), c (H, SQ), base (H,)), or None."""
     BH, T, F_ = q.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     S, z = _states(k, v, torch.ones(BH, T, device=q.device, dtype=torch.float32), reverse=False)
     y = torch.empty(BH, T, Dv, device=q.device, dtype=torch.float32)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["output"]
-    _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, C=CHUNK, **cfg)
+    sq_args, sq_meta = _squares_args(sq, q)
+    _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
+                                                        BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
     return y, den
 
 
-def _triton_backward(q, k, v, y, den, dy):
-    """Gradients of the forward above for the output gradient dy (BH, T, Dv). States are recomputed."""
+def _triton_backward(q, k, v, y, den, dy, sq=None):
+    """Gradients of the forward above for the output gradient dy (BH, T, Dv): dq, dk, dv, and with sq, the
+    closed form's (dqs, dks, dlam, dc, dbase) (else None). States are recomputed."""
     BH, T, F_ = q.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     dnum = dy.float() / den[..., None]  # dL/dnum, (BH, T, Dv)
@@ -318,30 +475,51 @@ def _triton_backward(q, k, v, y, den, dy):
     S, z = _states(k, v, torch.ones_like(dden), reverse=False)
     R, r = _states(q, dnum, dden, reverse=True)  # R[n] = sum_{m>n} q_m^T dnum_m, r[n] = sum_{m>n} q_m^T dden_m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cfg = _configs(F_, Dv)
-    _dqk_kernel[(triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk,
-                                                             T, F_, Dv, N, C=CHUNK, **cfg["dqk"])
-    _dv_kernel[(triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, C=CHUNK, **cfg["dv"])
-    return dq, dk, dv
+    cfg, bf16 = _configs(F_, Dv, squares=sq is not None), q.dtype == torch.bfloat16
+    sq_args, sq_meta = _squares_args(sq, q)
+    _dqk_kernel[(triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk, T, F_, Dv, N, C=CHUNK,
+                                                             BF16=bf16, SQ=sq_meta["SQ"], **cfg["dqk"])
+    _dv_kernel[(triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, *sq_args, C=CHUNK,
+                                                          BF16=bf16, **sq_meta, **cfg["dv"])
+    if sq is None:
+        return dq, dk, dv, None
+    qs, ks, lam, c, base = sq
+    H, SQ, D = lam.shape
+    dqs, dks = torch.empty_like(qs), torch.empty_like(ks)
+    dlam = torch.empty(BH, N, SQ, D, device=q.device, dtype=torch.float32)  # each chunk's share, summed below
+    dc = torch.empty(BH, N, SQ, device=q.device, dtype=torch.float32)
+    dbase = torch.empty(BH, N, device=q.device, dtype=torch.float32)
+    _dsquares_kernel[(N, BH, 2)](qs, ks, lam, c, v, dnum, dden, dqs, dks, dlam, dc, dbase, T, D, Dv, N, H, C=CHUNK,
+                              BF16=bf16, **sq_meta, **cfg["dsquares"])
+    per_head = lambda x: x.view(BH // H, H, N, *x.shape[2:]).sum((0, 2))  # (H, ...)
+    return dq, dk, dv, (dqs, dks, per_head(dlam), per_head(dc), per_head(dbase))
 
 
 class _TritonLinearAttention(torch.autograd.Function):
     """The Triton path: pass 1 (chunk states) then pass 2 (outputs), and the same two passes backward."""
 
     @staticmethod
-    def forward(ctx, qf, kf, v, eps):
+    def forward(ctx, qf, kf, v, eps, qs, ks, lam, c, base):
         B, H, T, F_ = qf.shape
         q, k, v3 = (x.reshape(B * H, T, x.shape[-1]).contiguous() for x in (qf, kf, v))
-        y, den = _triton_forward(q, k, v3, eps)
-        ctx.save_for_backward(q, k, v3, y, den)
+        sq = None
+        if qs is not None:
+            sq = tuple(x.reshape(B * H, T, -1).contiguous() for x in (qs, ks)) + \
+                tuple(x.float().contiguous() for x in (lam, c, base))
+        y, den = _triton_forward(q, k, v3, eps, sq)
+        ctx.save_for_backward(q, k, v3, y, den, *(sq or ()))
         return y.view(B, H, T, -1).to(v.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, y, den = ctx.saved_tensors
+        q, k, v, y, den, *sq = ctx.saved_tensors
         B, H, T, Dv = dy.shape
-        dq, dk, dv = _triton_backward(q, k, v, y, den, dy.reshape(B * H, T, Dv))
-        return dq.view(B, H, T, -1), dk.view(B, H, T, -1), dv.view(B, H, T, -1), None
+        dq, dk, dv, dsq = _triton_backward(q, k, v, y, den, dy.reshape(B * H, T, Dv), tuple(sq) or None)
+        grads = tuple(x.view(B, H, T, -1) for x in (dq, dk, dv)) + (None,)
+        if dsq is None:
+            return grads + (None,) * 5
+        dqs, dks, dlam, dc, dbase = dsq
+        return grads + (dqs.view(B, H, T, -1), dks.view(B, H, T, -1), dlam, dc, dbase)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,46 +527,67 @@ class _TritonLinearAttention(torch.autograd.Function):
 
 BUILD_F = (8, 16, 32, 45, 64, 128, 256, 561, 2145)  # feature sizes the maps produce (45, 2145: Taylor at D 8, 64)
 BUILD_DV = (8, 32, 64, 128)
+BUILD_SQUARES = ((8, 2), (32, 2), (64, 2), (8, 6), (32, 6), (64, 6))  # (D, SQ) with F = 1 + D + D(D+1)/2: Taylor, OAL
 
 
-def _code_key(F_, Dv):
-    """What decides the compiled code for sizes F_, Dv: the launch settings and whether F_, Dv divide by 16."""
-    return repr(_configs(F_, Dv)), F_ % 16 == 0, Dv % 16 == 0, F_ == 1, Dv == 1
+def _code_key(F_, Dv, D=0, SQ=0):
+    """What decides the compiled code for sizes F_, Dv (and the closed form's D, SQ): the launch settings and
+    whether the sizes divide by 16 or equal 1."""
+    sizes = (F_, Dv, D) if SQ else (F_, Dv)
+    return repr(_configs(F_, Dv, SQ > 0)), SQ, SQ and _tile(D, 128), tuple((n % 16 == 0, n == 1) for n in sizes)
 
 
-COVERED = {_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV} if HAS_TRITON else set()  # what the build check compiles
+COVERED = ({_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV} |
+           {_code_key(1 + D + D * (D + 1) // 2, Dv, D, SQ) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV}) if HAS_TRITON else set()
 _said = set()
 
 
-def triton_covered(F_, Dv):
-    """True when the launches for features F_ and values Dv compile to code the build check has checked:
-    same tiles, warps, stages and divisibility-by-16 of F and Dv as one of its shapes."""
-    return _code_key(F_, Dv) in COVERED
+def triton_covered(F_, Dv, D=0, SQ=0):
+    """True when the launches for features F_ and values Dv (with a closed form of SQ terms on D dims)
+    compile to code the build check has checked: same tiles, warps, stages and divisibility by 16."""
+    return D <= 128 and _code_key(F_, Dv, D, SQ) in COVERED
 
 
-def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto"):
-    """Normalised causal linear attention. qf, kf: (B, H, T, F); v: (B, H, T, Dv) -> (B, H, T, Dv)."""
+def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
+    """Normalised causal linear attention. qf, kf: (B, H, T, F); v: (B, H, T, Dv) -> (B, H, T, Dv).
+
+    squares: None, or the kernel qf_i . kf_j in closed form, (q, k, lam, c, base) with q, k (B, H, T, D),
+    lam (H, SQ, D), c (H, SQ), base (H,):  qf_i . kf_j = base + sum_r (c_r + sum_l lam_rl q_il k_jl)^2.
+    The scores within a chunk then come from q, k, O(C SQ D) per token instead of O(C F), and qf, kf only
+    carry the state between chunks. FeatureMap.squares gives it for Taylor, TaylorShift, the quadratic and
+    OAL. Gradients flow to all five (autograd adds the paths through qf, kf)."""
     if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
         raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "
                          f"got {tuple(qf.shape)}, {tuple(kf.shape)}, {tuple(v.shape)}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     F_, Dv = qf.shape[-1], v.shape[-1]
-    triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu"))
+    D = SQ = 0
+    if squares is not None:
+        qs, ks, lam, c, base = squares
+        H, D, SQ = qf.shape[1], qs.shape[-1], lam.shape[1] if lam.dim() == 3 else 0
+        if qs.shape[:3] != qf.shape[:3] or ks.shape != qs.shape or lam.shape != (H, SQ, D) or SQ == 0 \
+                or c.shape != (H, SQ) or base.shape != (H,):
+            raise ValueError("squares: expected q, k (B, H, T, D) with qf's B, H, T, lam (H, SQ, D), c (H, SQ), base (H,); got "
+                             + ", ".join(str(tuple(x.shape)) for x in squares))
+    triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu")) and D <= 128
     if backend == "auto":
         backend = "triton" if triton_ok else "torch"
-        if backend == "triton" and qf.is_cuda and not triton_covered(F_, Dv):
+        if backend == "triton" and qf.is_cuda and not triton_covered(F_, Dv, D, SQ):
             backend = "torch"
-            if (F_, Dv) not in _said:
-                _said.add((F_, Dv))
-                print(f"kernel.py: F = {F_}, Dv = {Dv} is outside the Triton build check; using the PyTorch fallback")
+            if (F_, Dv, D, SQ) not in _said:
+                _said.add((F_, Dv, D, SQ))
+                sizes = f"F = {F_}, Dv = {Dv}" + (f", closed form D = {D}, {SQ} terms" if SQ else "")
+                print(f"kernel.py: {sizes} is outside the Triton build check; using the PyTorch fallback")
     if backend == "triton" and not triton_ok:
         why = "triton is not installed" if not HAS_TRITON else \
+            f"the closed form's D = {D} is over the kernels' one tile of 128" if D > 128 else \
             f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
         raise RuntimeError(f"backend='triton' cannot run here: {why}. Use backend='torch'.")
+    squares = squares or (None,) * 5
     if backend == "triton":
-        return _TritonLinearAttention.apply(qf, kf, v, eps)
+        return _TritonLinearAttention.apply(qf, kf, v, eps, *squares)
     # chunk C balances the per-token work within a chunk, C (F + Dv), against the state's, 2 F Dv:
     # C = 2 F Dv / (F + Dv) as a power of 2 in [16, 128] (64 at F = Dv = 64, the fastest there by measurement)
     chunk = min(128, max(16, 2 ** round(math.log2(2 * F_ * Dv / (F_ + Dv)))))
-    return _ChunkedLinearAttention.apply(qf, kf, v, eps, chunk)
+    return _ChunkedLinearAttention.apply(qf, kf, v, eps, chunk, *squares)

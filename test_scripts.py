@@ -190,11 +190,21 @@ def test_scripts_reject_unknown_settings():
 def test_kernel_benchmark_smoke(tmp_path):
     out = run_script("bench_kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
                      f"--out={tmp_path / 'kernel.json'}")
-    err = float(out.split("check torch: max relative error")[1].split("= ")[1].split()[0])
-    assert err < 1e-5, out  # the fallback against the float64 reference, in float32
+    err = {case: float(out.split(f"check torch, {case}: max relative error")[1].split("= ")[1].split()[0])
+           for case in ("float32", "bfloat16", "float32, closed form")}
+    assert err["float32"] < 1e-5 and err["float32, closed form"] < 1e-5, out  # the fallback against float64, in float32
+    assert err["bfloat16"] < 1e-2, out  # its output is rounded to bfloat16
     rows = json.load(open(tmp_path / "kernel.json"))["rows"]
     assert {(r["method"], r["T"]) for r in rows} >= {("linear, torch chunked", 128), ("softmax (sdpa)", 200)}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)  # times are recorded (their values are noise here)
+
+
+def test_closed_form_benchmark_runs(tmp_path):
+    """bench_kernel.py --closed_form=true times every polynomial map both ways and saves the rows."""
+    run_script("bench_kernel.py", "--closed_form=true", "--repeats=1", "--closed_form_shapes=2x2x64x8,1x2x96x16", cwd=tmp_path)
+    rows = json.load(open(tmp_path / "results" / "closed_form.json"))["rows"]
+    assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal") for w in ("scores", "chunked attention")}
+    assert all(r["features_ms"] > 0 and r["closed_form_ms"] > 0 for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,18 +295,24 @@ def test_swap_keeps_projections_and_layer_qkv_matches_model():
 
 def test_device_report_bookkeeping(tmp_path):
     """The GPU session's script at tiny sizes on the CPU: one row per shape, family and length, either
-    skipped (here when over max_gib) or timed against SDPA, with the feature size of each family."""
-    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor", "--lengths=64,96",
+    skipped (here when over max_gib) or timed against SDPA, with the feature size of each family, and the
+    polynomial families timed with their closed form and without."""
+    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal", "--lengths=64,96",
                "--repeats=1", "--max_gib=0.00005", f"--report_out={tmp_path / 'r.json'}")
     r = json.load(open(tmp_path / "r.json"))
-    assert r["check_max_rel_error"]["torch"] < 1e-5 and r["fla"] is False
+    errors = r["check_max_rel_error"]
+    assert set(errors) == {"torch, float32", "torch, bfloat16", "torch, float32, closed form"} and r["fla"] is False
+    assert errors["torch, float32"] < 1e-5 and errors["torch, float32, closed form"] < 1e-5
+    assert errors["torch, bfloat16"] < 1e-2  # the output is rounded to bfloat16
     rows = {(x["shape"], x["family"], x["T"]): x for x in r["rows"]}
-    assert len(rows) == 2 * 3 * 2
+    assert len(rows) == 2 * 4 * 2
     assert {x["F"] for k, x in rows.items() if k[0] == "1x2x8"} == {16, 8, 45}  # 2D, D, 1 + D + D(D+1)/2
     assert "skipped" in rows["1x1x16", "taylor", 96] and "skipped" not in rows["1x2x8", "taylor", 64]
     done = [x for x in rows.values() if "skipped" not in x]
     assert all(x["speedup_vs_flash_fwd"] == pytest.approx(x["flash_fwd_ms"] / x["ours_fwd_ms"]) for x in done)
     assert all(x["memory_bound_ms"] > 0 and x["ours_fwd_bwd_ms"] > 0 for x in done)
+    assert all(("ours_features_fwd_ms" in x) == (x["family"] in ("taylor", "oal")) for x in done)
+    assert rows["1x2x8", "oal", 64]["SQ"] == 6 and rows["1x2x8", "taylor", 64]["SQ"] == 2
 
 
 def test_lolcats_attention_transfer_trains_the_maps_and_gates():
