@@ -81,7 +81,7 @@ def _features(fmap, q, k, offset=0):
 
 def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS, window=0, gate=1.0):
     """(B, H, T, T) attention weights: softmax of q, k if fmap is None, else the linear weights of fmap's
-    kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for OAL).
+    kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for the polynomial maps).
     eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows.
     window > 0: LoLCATs' hybrid weights with gate g (hybrid_weights), or swa's if fmap is None."""
     if window:

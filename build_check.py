@@ -141,7 +141,8 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
         groups = {}
         for r in rows:
-            groups.setdefault((r["kernel"] + ("+squares" if r["SQ"] else ""), r["arch"], r["dtype"]), []).append(r)
+            with_sq = r["SQ"] and r["kernel"] in ("output", "dqk", "dv")  # the kernels compiled differently for squares
+            groups.setdefault((r["kernel"] + ("+squares" if with_sq else ""), r["arch"], r["dtype"]), []).append(r)
         for (kern, arch, dtype), rs in groups.items():
             tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
             print(f"{kern:<16} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "

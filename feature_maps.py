@@ -71,6 +71,14 @@ def stable_exp_qk(yq, yk, max_exponent=60.0):
     return qf, kf
 
 
+def _taylor_squares(q, k, half):
+    """FeatureMap.squares of 1 + s + s^2/2 = (1 + s/2)^2 + (s/2)^2, with s/2 = sum_l half_l q_l k_l and
+    half broadcastable to (H, 1, D)."""
+    H, D = q.shape[1], q.shape[-1]
+    c = torch.tensor([1.0, 0.0], dtype=q.dtype, device=q.device).expand(H, 2)
+    return q, k, half.expand(H, 2, D), c, torch.zeros(H, dtype=q.dtype, device=q.device)
+
+
 class FeatureMap(nn.Module):
     """A symmetric map: the same phi on both sides. Subclasses define phi (or override forward).
     Every map is built as Map(head_dim, num_heads, **options); maps without per-head parameters ignore both."""
@@ -232,12 +240,8 @@ class Taylor(FeatureMap):
         return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x)], dim=-1)
 
     def squares(self, q, k):
-        # 1 + s + s^2/2 = (1 + s/2)^2 + (s/2)^2,  s = q.k / sqrt(D)
         q, k = _fp32(q), _fp32(k)
-        H = q.shape[1]
-        lam = torch.full((H, 2, self.D), 0.5 / math.sqrt(self.D), dtype=q.dtype, device=q.device)
-        c = torch.tensor([1.0, 0.0], dtype=q.dtype, device=q.device).expand(H, 2)
-        return q, k, lam, c, torch.zeros(H, dtype=q.dtype, device=q.device)
+        return _taylor_squares(q, k, torch.full((1, 1, 1), 0.5 / math.sqrt(self.D), dtype=q.dtype, device=q.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,12 +326,8 @@ class TaylorShift(FeatureMap):
         return qf, kf
 
     def squares(self, q, k):
-        # 1 + tau x + (tau x)^2 / 2 = (1 + tau x / 2)^2 + (tau x / 2)^2 on the normalised q, k
         q, k = F.normalize(_fp32(q), dim=-1), F.normalize(_fp32(k), dim=-1)
-        H, D = q.shape[1], q.shape[-1]
-        lam = (self.tau.to(q.dtype) / 2).expand(H, 2, D)
-        c = torch.tensor([1.0, 0.0], dtype=q.dtype, device=q.device).expand(H, 2)
-        return q, k, lam, c, torch.zeros(H, dtype=q.dtype, device=q.device)
+        return _taylor_squares(q, k, self.tau.to(q.dtype) / 2)  # s = tau x
 
 
 class DiJiang(FeatureMap):

@@ -161,13 +161,13 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         G = torch.bmm(dnum, v.transpose(1, 2)).add_(dden).tril_()  # (BHN, C, C)
         R = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dnum).view(BH, N, F_, Dv), reverse=True).view(-1, F_, Dv)
         r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
-        dq = torch.baddbmm(dden * z.transpose(1, 2), dnum, S.transpose(1, 2))
-        dk = torch.baddbmm(r, v, R.transpose(1, 2))
         dsquares = (None,) * 5
         if ctx.squares is None:
-            dq.baddbmm_(G, k)
-            dk.baddbmm_(G.transpose(1, 2), q)
-        else:
+            dq = torch.bmm(G, k).baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
+            dk = torch.bmm(G.transpose(1, 2), q).baddbmm_(v, R.transpose(1, 2)).add_(r)
+        else:  # the G terms go to the closed form's q', k' instead
+            dq = torch.bmm(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
+            dk = torch.bmm(v, R.transpose(1, 2)).add_(r)
             qs, ks, lam, W, ql = ctx.squares
             G5 = G.view(B, H, N, C, C)
             dW = 2 * G5[:, :, :, None] * W  # (B, H, N, SQ, C, C)
