@@ -338,8 +338,7 @@ class MultiHeadAttention(nn.Module):
             p = self.attn_dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
         qf, kf = self.fmap(q, k)
-        # the polynomial maps' closed form pays in the Triton kernels; the CPU fallback is as fast on features
-        squares = self.fmap.squares(q, k) if self.causal and q.is_cuda else None
+        squares = self.fmap.squares(q, k) if self.causal else None  # the polynomial maps' closed form, for the kernels
         return linear_attention(qf, kf, v, causal=self.causal, squares=squares)
 
     def forward(self, x):

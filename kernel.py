@@ -555,7 +555,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
     lam (H, SQ, D), c (H, SQ), base (H,):  qf_i . kf_j = base + sum_r (c_r + sum_l lam_rl q_il k_jl)^2.
     The scores within a chunk then come from q, k, O(C SQ D) per token instead of O(C F), and qf, kf only
     carry the state between chunks. FeatureMap.squares gives it for Taylor, TaylorShift, the quadratic and
-    OAL. Gradients flow to all five (autograd adds the paths through qf, kf)."""
+    OAL. Gradients flow to all five (autograd adds the paths through qf, kf). backend="auto" uses it only
+    when it picks the Triton kernels: on a CPU the fallback is as fast on the features."""
     if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
         raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "
                          f"got {tuple(qf.shape)}, {tuple(kf.shape)}, {tuple(v.shape)}")
@@ -573,6 +574,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
     triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu")) and D <= 128
     if backend == "auto":
         backend = "triton" if triton_ok else "torch"
+        if backend == "torch":
+            squares = None  # the fallback is as fast on the features (bench_kernel.py --closed_form=true)
         if backend == "triton" and qf.is_cuda and not triton_covered(F_, Dv, D, SQ):
             backend = "torch"
             if (F_, Dv, D, SQ) not in _said:
