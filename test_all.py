@@ -239,13 +239,15 @@ def test_squares_is_the_kernel_in_closed_form(name):
     assert torch.allclose(fmap.scores(q, k), K, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton),
+                                           pytest.param("triton", torch.bfloat16, marks=needs_triton)])
 @pytest.mark.parametrize("name", POLYNOMIAL)
 @pytest.mark.parametrize("T,D", [(70, 12), (130, 16)])
-def test_kernel_squares_match_float64(backend, name, T, D):
+def test_kernel_squares_match_float64(backend, dtype, name, T, D):
     """The scores within a chunk from the closed form (kernel squares=): output and gradients of q, k, v and
     the map's parameters against the float64 O(T^2) form on the features. T not a multiple of the chunk,
-    D not a multiple of 16 (12) and one tile (16)."""
+    D not a multiple of 16 (12) and one tile (16). bfloat16: the features rounded to it before the kernel,
+    which then takes bf16 dots, the closed form's too."""
     fmap = make_map(name, D=D, H=3)
     q, k, v = (x.requires_grad_() for x in qkv(B=2, H=3, T=T, D=D, Dv=9))
     params = [q, k, v] + list(fmap.parameters())
@@ -255,9 +257,10 @@ def test_kernel_squares_match_float64(backend, name, T, D):
     fmap.float()
     q32, k32, v32 = (x.detach().float().to(DEV).requires_grad_() for x in (q, k, v))
     fmap.to(DEV)
-    y = kernel.causal_linear_attention(*fmap(q32, k32), v32, backend=backend, squares=fmap.squares(q32, k32))
+    qf, kf = (x.to(dtype) for x in fmap(q32, k32))
+    y = kernel.causal_linear_attention(qf, kf, v32, backend=backend, squares=fmap.squares(q32, k32))
     got = [y, *torch.autograd.grad(y, [q32, k32, v32] + list(fmap.parameters()), dy.float().to(DEV))]
-    tol = 2e-3 if DEV == "cuda" else 1e-5  # float32 arithmetic (TF32 dots on a GPU)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3 if DEV == "cuda" else 1e-5  # bf16; float32 (TF32 dots on a GPU)
     for x, r in zip(got, refs):
         assert ((x.double().cpu() - r).norm() / r.norm()).item() < tol
 
