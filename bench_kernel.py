@@ -9,8 +9,9 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
 definition in float64, forward and gradients, float32 and bfloat16 inputs, and OAL's closed form
-(squares): at one size of each on a CPU, at every build-checked shape on a GPU. The benchmark times forward and forward+backward of causal SDPA (FlashAttention on a GPU), the
-quadratic linear form, the chunked fallback and the Triton kernels, with peak memory on CUDA.
+(squares): at one size of each on a CPU, at every build-checked shape on a GPU. The benchmark times
+forward and forward+backward of causal SDPA (FlashAttention on a GPU), the quadratic linear form, the
+chunked fallback and the Triton kernels, with peak memory on CUDA.
 
 --report=true is the device report, one script for a GPU session (a few minutes on an H200): the check
 at every build-checked shape, then forward and forward+backward times at 1K-32K tokens of our kernels
@@ -19,10 +20,11 @@ against FlashAttention (SDPA restricted to it) and against flash-linear-attentio
 shapes B x H x D of `shapes` (Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map
 family's feature size: Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with
 their closed form in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose
-inputs and states would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that
-refuses a size (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has
-the time of our pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and
-the PyTorch fallback (the tests do, at tiny sizes).
+inputs and states would pass max_gib, or that are not build-checked, are recorded as skipped; a peer
+that refuses a size (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also
+has the time of our pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the
+remainder). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA
+and the PyTorch fallback (the tests do, at tiny sizes).
 """
 import json
 import os
