@@ -192,14 +192,22 @@ if HAS_TRITON:
     EMULATE = tl.constexpr(INTERPRET)  # the CPU interpreter: bf16 dots emulated in float32 (see _dot)
 
     @triton.jit
+    def _round_bf16(x):
+        # float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: the GPU's conversion.
+        # The CPU interpreter's x.to(tl.bfloat16) truncates instead, so it is done on the bits here.
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # add half an ulp of bf16 (less at a tie to even), drop 16 bits
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _dot(a, b, BF16: tl.constexpr):
         # a @ b of float32 tiles, accumulated in float32. BF16: both operands rounded to bfloat16 first, a
         # tensor-core dot on a GPU (float32 operands take TF32 there). The CPU interpreter's bf16 tl.dot gives
-        # wrong results, so there the rounded operands go in as float32: the same products (exact in
-        # float32), summed in float32.
+        # wrong results, so there the operands are rounded as the GPU rounds them and go in as float32: the
+        # same products (exact in float32), summed in float32.
         if BF16:
             if EMULATE:
-                return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
+                return tl.dot(_round_bf16(a), _round_bf16(b))
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         return tl.dot(a, b)
 

@@ -275,6 +275,44 @@ def test_kernel_squares_gradcheck():
     assert torch.autograd.gradcheck(f, (qf, kf, v, qs, ks, lam, c, base))
 
 
+@needs_triton
+def test_bf16_dot_rounds_its_operands():
+    """kernel._dot(BF16=True): both operands rounded to bfloat16 (to nearest, ties to even, as torch and the
+    GPU round), products summed in float32. (In the CPU interpreter this is emulated; on a GPU it is the
+    tensor-core dot.) It must differ from the float32 dot."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_kernel(x_ptr, out_ptr):
+        r = tl.arange(0, 16)
+        tl.store(out_ptr + r, kernel._round_bf16(tl.load(x_ptr + r)))
+
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -(1 + 3 * 2 ** -8)]  # halfway: to even, both signs
+    x = torch.tensor(ties + [0.0, -0.0, 1e-30, 3e38] + torch.randn(8, generator=torch.Generator().manual_seed(1)).tolist())
+    out = torch.empty(16, device=DEV)
+    round_kernel[(1,)](x.to(DEV), out)
+    assert torch.equal(out.cpu(), x.bfloat16().float())
+
+    @triton.jit
+    def dot_kernel(a_ptr, b_ptr, out_ptr, BF16: tl.constexpr):
+        r = tl.arange(0, 16)
+        a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
+        b = tl.load(b_ptr + r[:, None] * 16 + r[None, :])
+        tl.store(out_ptr + r[:, None] * 16 + r[None, :], kernel._dot(a, b, BF16))
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=g).to(DEV) for _ in range(2))
+    out = {flag: torch.empty(16, 16, device=DEV) for flag in (True, False)}
+    for flag in out:
+        dot_kernel[(1,)](a, b, out[flag], BF16=flag)
+    rounded = a.bfloat16().double() @ b.bfloat16().double()
+    assert torch.allclose(out[True].double(), rounded, rtol=1e-5, atol=1e-5)
+    assert (out[True].double() - a.double() @ b.double()).abs().max() > 1e-3  # the rounding is really there
+    if DEV == "cpu":  # the interpreter's float32 dot; a GPU's is TF32
+        assert torch.allclose(out[False].double(), a.double() @ b.double(), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_rejects_bad_input():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="shape"):
