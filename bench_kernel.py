@@ -14,17 +14,18 @@ forward and forward+backward of causal SDPA (FlashAttention on a GPU), the quadr
 chunked fallback and the Triton kernels, with peak memory on CUDA.
 
 --report=true is the device report, one script for a GPU session (a few minutes on an H200): the check
-at every build-checked shape, then forward and forward+backward times at 1K-32K tokens of our kernels
-against FlashAttention (SDPA restricted to it) and against flash-linear-attention's chunk_linear_attn
-(fla, imported only here; normalize=True, its normalisation a separate pass, timed as it is), for the
-shapes B x H x D of `shapes` (Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map
-family's feature size: Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with
-their closed form in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose
-inputs and states would pass max_gib, or that are not build-checked, are recorded as skipped; a peer
-that refuses a size (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also
-has the time of our pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the
-remainder). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA
-and the PyTorch fallback (the tests do, at tiny sizes).
+at every build-checked shape (--check=timed: only at the sizes timed, fewer kernels to compile), then
+forward and forward+backward times at 1K-32K tokens of our kernels against FlashAttention (SDPA
+restricted to it) and against flash-linear-attention's chunk_linear_attn (fla, imported only here;
+normalize=True, its normalisation a separate pass, timed as it is), for the shapes B x H x D of `shapes`
+(Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map family's feature size:
+Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with their closed form in-
+tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
+would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
+(fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
+pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder). Writes
+results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
+fallback (the tests do, at tiny sizes).
 """
 import json
 import os
@@ -180,8 +181,13 @@ def device_report(cfg):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    if dev == "cuda":
+    if dev == "cuda" and cfg["check"] == "all":
         worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
+    elif dev == "cuda":  # "timed": the sizes the timings below use (fewer kernels to compile)
+        dims = sorted({int(shape.split("x")[2]) for shape in cfg["shapes"].split(",")})
+        fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
+        worst = check(dev, list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
+                      [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
     else:
         worst = check(dev, [(16, 8)], [(8, 6, 8)])
     fla = fla_linear_attention() if dev == "cuda" else None
@@ -358,9 +364,11 @@ if __name__ == "__main__":
         "families": "hedgehog,elu,taylor,oal",  # report: feature sizes 2D, D, 1 + D + D(D+1)/2 (the last two in-tile)
         "max_gib": 40.0,  # report: skip sizes whose features and states would take more
         "report_out": "",  # report: default results/kernel_<gpu>.json
+        "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
+    choices(cfg, "check", ("all", "timed"))
     if cfg["report"]:
         device_report(cfg)
         raise SystemExit(0)
