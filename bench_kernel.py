@@ -19,8 +19,8 @@ forward and forward+backward times at 1K-32K tokens of our kernels against Flash
 restricted to it) and against flash-linear-attention's chunk_linear_attn (fla, imported only here;
 normalize=True, its normalisation a separate pass, timed as it is), for the shapes B x H x D of `shapes`
 (Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map family's feature size:
-Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with their closed form in-
-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
+Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with their closed form
+in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
 would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
 pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder). Writes
