@@ -40,7 +40,7 @@ import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
 from configurator import at_least, configure, layer_list, positive, pyplot
-from feature_maps import contribution_scores
+from oal_groups import contribution_scores
 from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----

@@ -8,11 +8,11 @@ dimension-aware kernel coefficients do a few contribution-based groups capture?
 For every layer, the frozen q, k, v of calibration windows (the same windows as fidelity.py), and for
 every group budget G the OAL kernel is calibrated by output MSE (OAL Sec. 4.3) with the best checkpoint
 on held-out windows (distill.distill_feature_map), then scored by RelMSE on held-out test windows:
-    contribution   G groups per head from the G - 1 best-ranked boundaries (feature_maps.find_groups,
+    contribution   G groups per head from the G - 1 best-ranked boundaries (oal_groups.find_groups,
                    budget=G); G = 1 is the learned global quadratic
     random         the same group sizes with dimensions drawn at random (the control)
     G = D          one group per dimension: fully dimension-aware coefficients (the bound)
-    published      the published rule (2-5 groups per head, feature_maps.find_groups)
+    published      the published rule (2-5 groups per head, oal_groups.find_groups)
 RelMSE is per head on the attention outputs, and per layer after the output projection. Saves
 results/oal_budget.json and, with matplotlib, results/oal_budget.png.
 """
@@ -25,7 +25,8 @@ import torch
 import distill
 import pretrained
 from configurator import configure, layer_list, pyplot
-from feature_maps import OAL, contribution_scores, find_groups
+from feature_maps import OAL
+from oal_groups import contribution_scores, find_groups
 from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----

@@ -1,13 +1,13 @@
 """
 The test suite: every attention path against an independent float64 oracle, every feature map against
 its closed form, the module, distillation, and no float64 in float32 runs. Run: python -m pytest -q
-(test_scripts.py runs the scripts; test_pretrained.py the pretrained models.)
+(test_kernel.py tests kernel.py and the build check; test_scripts.py runs the scripts;
+test_pretrained.py the pretrained models.)
 
 The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must be set before triton
 is imported, so it is set below, before importing our modules (on a CUDA machine the real kernel runs).
 Scripts are smoke-tested in subprocesses without it, so they take the fast PyTorch path.
 """
-import json
 import math
 import os
 import subprocess
@@ -36,6 +36,7 @@ import convert
 import distill
 import feature_maps as fm
 import kernel
+import oal_groups
 import train_ar
 from attention import (MultiHeadAttention, attention_weights, hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step,
                        hybrid_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum, linear_attention_quadratic,
@@ -43,6 +44,7 @@ from attention import (MultiHeadAttention, attention_weights, hybrid_attention, 
 from gpt import GPT
 
 NAMES = list(fm.FEATURE_MAPS)
+POLYNOMIAL = ["taylor", "taylorshift", "quadratic", "oal"]  # the maps with a closed form (FeatureMap.squares)
 HAS_TRITON = kernel.HAS_TRITON and (torch.cuda.is_available() or kernel.INTERPRET)
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (Linux only), and 3.7+ for its CPU interpreter")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,183 +147,6 @@ def test_gradients_match_quadratic_autograd(name):
                 assert torch.allclose(x, r, rtol=1e-8, atol=1e-9 * r.abs().max().item())
 
 
-def test_kernel_gradcheck():
-    """Finite differences, the oracle that does not trust any backward."""
-    a, b, c = qkv(B=1, H=1, T=20, D=4, Dv=3)
-    args = (a.exp().requires_grad_(), b.exp().requires_grad_(), c.requires_grad_())
-    assert torch.autograd.gradcheck(lambda *x: kernel.causal_linear_attention(*x, backend="torch"), args)
-
-
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,F,Dv", [(1, 4, 3), (70, 33, 17), (130, 300, 130)])
-def test_kernel_matches_float64(backend, dtype, T, F, Dv):
-    """Forward and gradients, odd sizes: T not a multiple of the chunk, F over one 128 tile (3 K tiles),
-    Dv + 1 over one tile. Inputs are rounded to `dtype`; the reference sees the same rounded values."""
-    g = torch.Generator().manual_seed(0)
-    qf, kf = (torch.rand(2, 2, T, F, generator=g).to(dtype) for _ in range(2))
-    v = torch.randn(2, 2, T, Dv, generator=g).to(dtype)
-    dy = torch.randn(2, 2, T, Dv, generator=g)
-    ins = [x.to(DEV).requires_grad_() for x in (qf, kf, v)]
-    y = kernel.causal_linear_attention(*ins, backend=backend)
-    grads = torch.autograd.grad(y, ins, dy.to(DEV).to(dtype))
-    ref_in = [x.double().requires_grad_() for x in (qf, kf, v)]
-    ref = linear_attention_quadratic(*ref_in)
-    ref_grads = torch.autograd.grad(ref, ref_in, dy.to(dtype).double())
-    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]  # output rounding of each dtype
-    if DEV == "cuda" and backend == "triton":
-        tol = max(tol, 2e-3)  # TF32 dots
-    assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
-    # At T = 1 the q, k gradients are exactly 0 (y_0 = v_0: G = dnum v^T + dden cancels), so the error is
-    # relative to the reference's norm plus a floor. The Triton path on bf16 inputs rounds dnum and v to
-    # bf16 for its tensor-core dots (as FlashAttention's backward does), so the cancellation leaves bf16
-    # noise of the O(1) terms dnum . v: its floor is the inputs' scale, 1, instead of 1e-3.
-    floor = 1.0 if backend == "triton" and dtype == torch.bfloat16 else 1e-3
-    for got, r in zip([y] + list(grads), [ref] + list(ref_grads)):
-        err = (got.double().cpu() - r).norm() / (r.norm() + floor * r.numel() ** 0.5)
-        assert err < tol, err
-
-
-def _has_nvidia_backend():
-    try:
-        import triton
-        from triton.backends import backends
-        return "nvidia" in backends and os.path.exists(triton.knobs.nvidia.cuobjdump.path)
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="triton with its NVIDIA backend (ptxas, cuobjdump) is not installed")
-def test_triton_build_check_fits_a100_and_h100(tmp_path):
-    """Every launch the Triton path makes, compiled ahead of time for sm_80 and sm_90 (no GPU needed):
-    within the shared memory per block, no register spills. A launch over the limit fails on the GPU
-    with an out-of-resources error; spills make it slow. About a minute on 2 CPU cores (fewer when cached)."""
-    out = run_script("build_check.py", f"--out={tmp_path / 'build_check.json'}")  # compiles without the interpreter
-    assert "launches fit in shared memory and do not spill" in out
-    rows = json.load(open(tmp_path / "build_check.json"))
-    assert {(r["F"], r["Dv"]) for r in rows} == {(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV}
-    assert {r["kernel"] for r in rows} == {"states", "output", "dqk", "dv", "dsquares"} and {r["arch"] for r in rows} == {80, 90}
-    assert {(r["D"], r["SQ"]) for r in rows if r["SQ"]} == set(kernel.BUILD_SQUARES)
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, bad[:5]
-    assert all(r["shared"] > 0 and 0 < r["regs"] <= 255 for r in rows)  # the numbers were really read
-
-
-def test_auto_backend_covers_the_build_checked_sizes():
-    """auto sends to Triton (on CUDA) only sizes that compile to build-checked code."""
-    if not kernel.HAS_TRITON:
-        pytest.skip("triton is not installed")
-    assert all(kernel.triton_covered(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV)
-    assert kernel.triton_covered(4161, 64)  # same tiles and divisibility as 2145
-    assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)  # an int of 1 is compiled in; Dv 130: untested tiles
-    assert all(kernel.triton_covered(1 + D + D * (D + 1) // 2, dv, D, SQ) for D, SQ in kernel.BUILD_SQUARES for dv in kernel.BUILD_DV)
-    assert not kernel.triton_covered(2145, 64, 64, 3)  # 3 terms (OAL with 2 groups) are another compilation
-    assert not kernel.triton_covered(8385, 64, 128, 2)  # D = 128: a tile of 128, not build-checked
-
-
-POLYNOMIAL = ["taylor", "taylorshift", "quadratic", "oal"]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_squares_is_the_kernel_in_closed_form(name):
-    """FeatureMap.squares: base + sum_r (c_r + (q' lam_r) . k')^2 equals phi_q . phi_k for every polynomial map
-    (OAL with random groups, learned parameters moved); the other maps have none. scores() agrees either way."""
-    fmap = make_map(name, D=6)
-    q, k, _ = qkv(D=6, scale=1.5)
-    sq = fmap.squares(q, k)
-    assert (sq is not None) == (name in POLYNOMIAL)
-    K = kernel_matrix(fmap, q, k)
-    if sq is not None:
-        qs, ks, lam, c, base = sq
-        by_terms = base[:, None, None] + sum(((qs * lam[:, None, r]) @ ks.transpose(-1, -2) + c[:, r, None, None]) ** 2
-                                             for r in range(lam.shape[1]))
-        assert torch.allclose(by_terms, K, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(fmap.scores(q, k), K, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton),
-                                           pytest.param("triton", torch.bfloat16, marks=needs_triton)])
-@pytest.mark.parametrize("name", POLYNOMIAL)
-@pytest.mark.parametrize("T,D", [(70, 12), (130, 16)])
-def test_kernel_squares_match_float64(backend, dtype, name, T, D):
-    """The scores within a chunk from the closed form (kernel squares=): output and gradients of q, k, v and
-    the map's parameters against the float64 O(T^2) form on the features. T not a multiple of the chunk,
-    D not a multiple of 16 (12) and one tile (16). bfloat16: the features rounded to it before the kernel,
-    which then takes bf16 dots, the closed form's too."""
-    fmap = make_map(name, D=D, H=3)
-    q, k, v = (x.requires_grad_() for x in qkv(B=2, H=3, T=T, D=D, Dv=9))
-    params = [q, k, v] + list(fmap.parameters())
-    dy = torch.randn(2, 3, T, 9, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    ref = linear_attention_quadratic(*fmap(q, k), v)
-    refs = [ref, *torch.autograd.grad(ref, params, dy)]
-    fmap.float()
-    q32, k32, v32 = (x.detach().float().to(DEV).requires_grad_() for x in (q, k, v))
-    fmap.to(DEV)
-    qf, kf = (x.to(dtype) for x in fmap(q32, k32))
-    y = kernel.causal_linear_attention(qf, kf, v32, backend=backend, squares=fmap.squares(q32, k32))
-    got = [y, *torch.autograd.grad(y, [q32, k32, v32] + list(fmap.parameters()), dy.float().to(DEV))]
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3 if DEV == "cuda" else 1e-5  # bf16; float32 (TF32 dots on a GPU)
-    for x, r in zip(got, refs):
-        assert ((x.double().cpu() - r).norm() / r.norm()).item() < tol
-
-
-def test_kernel_squares_gradcheck():
-    """Finite differences through the fallback's closed-form backward, every input of squares included."""
-    fmap = make_map("oal", D=4, H=1)
-    q, k, v = (x.requires_grad_() for x in qkv(B=1, H=1, T=20, D=4, Dv=3))
-    qs, ks, lam, c, base = (x.detach().clone().requires_grad_() for x in fmap.squares(q, k))
-    qf, kf = (x.detach().requires_grad_() for x in fmap(q, k))
-    f = lambda *x: kernel.causal_linear_attention(x[0], x[1], x[2], backend="torch", squares=x[3:])
-    assert torch.autograd.gradcheck(f, (qf, kf, v, qs, ks, lam, c, base))
-
-
-@needs_triton
-def test_bf16_dot_rounds_its_operands():
-    """kernel._dot(BF16=True): both operands rounded to bfloat16 (to nearest, ties to even, as torch and the
-    GPU round), products summed in float32. (In the CPU interpreter this is emulated; on a GPU it is the
-    tensor-core dot.) It must differ from the float32 dot."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def round_kernel(x_ptr, out_ptr):
-        r = tl.arange(0, 16)
-        tl.store(out_ptr + r, kernel._round_bf16(tl.load(x_ptr + r)))
-
-    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -(1 + 3 * 2 ** -8)]  # halfway: to even, both signs
-    x = torch.tensor(ties + [0.0, -0.0, 1e-30, 3e38] + torch.randn(8, generator=torch.Generator().manual_seed(1)).tolist())
-    out = torch.empty(16, device=DEV)
-    round_kernel[(1,)](x.to(DEV), out)
-    assert torch.equal(out.cpu(), x.bfloat16().float())
-
-    @triton.jit
-    def dot_kernel(a_ptr, b_ptr, out_ptr, BF16: tl.constexpr):
-        r = tl.arange(0, 16)
-        a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
-        b = tl.load(b_ptr + r[:, None] * 16 + r[None, :])
-        tl.store(out_ptr + r[:, None] * 16 + r[None, :], kernel._dot(a, b, BF16))
-
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(16, 16, generator=g).to(DEV) for _ in range(2))
-    out = {flag: torch.empty(16, 16, device=DEV) for flag in (True, False)}
-    for flag in out:
-        dot_kernel[(1,)](a, b, out[flag], BF16=flag)
-    rounded = a.bfloat16().double() @ b.bfloat16().double()
-    assert torch.allclose(out[True].double(), rounded, rtol=1e-5, atol=1e-5)
-    assert (out[True].double() - a.double() @ b.double()).abs().max() > 1e-3  # the rounding is really there
-    if DEV == "cpu":  # the interpreter's float32 dot; a GPU's is TF32
-        assert torch.allclose(out[False].double(), a.double() @ b.double(), rtol=1e-5, atol=1e-5)
-
-
-def test_kernel_rejects_bad_input():
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match="shape"):
-        kernel.causal_linear_attention(q, k[:, :, :5], v)
-    with pytest.raises(ValueError, match="backend"):
-        kernel.causal_linear_attention(q, k, v, backend="cuda")
-    qs, ks, lam, c, base = make_map("taylor").squares(q, k)
-    with pytest.raises(ValueError, match="squares"):
-        kernel.causal_linear_attention(q, k, v, squares=(qs, ks, lam[:1], c, base))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +276,23 @@ def logits(q, k):
 def kernel_matrix(fmap, q, k):
     qf, kf = fmap(q, k)
     return qf @ kf.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_squares_is_the_kernel_in_closed_form(name):
+    """FeatureMap.squares: base + sum_r (c_r + (q' lam_r) . k')^2 equals phi_q . phi_k for every polynomial map
+    (OAL with random groups, learned parameters moved); the other maps have none. scores() agrees either way."""
+    fmap = make_map(name, D=6)
+    q, k, _ = qkv(D=6, scale=1.5)
+    sq = fmap.squares(q, k)
+    assert (sq is not None) == (name in POLYNOMIAL)
+    K = kernel_matrix(fmap, q, k)
+    if sq is not None:
+        qs, ks, lam, c, base = sq
+        by_terms = base[:, None, None] + sum(((qs * lam[:, None, r]) @ ks.transpose(-1, -2) + c[:, r, None, None]) ** 2
+                                             for r in range(lam.shape[1]))
+        assert torch.allclose(by_terms, K, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(fmap.scores(q, k), K, rtol=1e-12, atol=1e-12)
 
 
 def test_unknown_feature_map_lists_valid_names():
@@ -685,13 +527,13 @@ def test_long_sequence_32k_does_not_overflow():
 
 def test_contribution_scores_match_pairwise_mean():
     q, k, _ = qkv(T=9)
-    c = fm.contribution_scores(q, k)
+    c = oal_groups.contribution_scores(q, k)
     i, j = torch.tril_indices(9, 9)  # causal pairs
     ref = (q[:, :, i].abs() * k[:, :, j].abs()).mean(2)
     assert torch.allclose(c, ref, atol=1e-12)
     i, j = torch.arange(9).repeat_interleave(9), torch.arange(9).repeat(9)  # all pairs
     ref = (q[:, :, i].abs() * k[:, :, j].abs()).mean(2)
-    assert torch.allclose(fm.contribution_scores(q, k, causal=False), ref, atol=1e-12)
+    assert torch.allclose(oal_groups.contribution_scores(q, k, causal=False), ref, atol=1e-12)
 
 
 def constant_rows(c, N=8):
@@ -703,19 +545,19 @@ def test_find_groups_hand_worked():
     """D = 16: candidates are 1 to ceil(16/4) - 1 = 3 dimensions above a boundary (t = 12, 13, 14 in the
     sorted order). With identical sequences the support of a candidate is 1 if its ratio >= 1.5, else 0."""
     # a clear outlier: ratios 1, 1, 10 -> t = 14 passes alone -> two groups, dim 15 alone
-    assert fm.find_groups(constant_rows([1.0] * 15 + [10.0])).tolist() == [0] * 15 + [1]
+    assert oal_groups.find_groups(constant_rows([1.0] * 15 + [10.0])).tolist() == [0] * 15 + [1]
     # two moderate dims (x3) and a strong one (x10): t = 12 (ratio 3) and t = 14 (3.33) pass -> three groups
-    assert fm.find_groups(constant_rows([1.0] * 13 + [3.0, 3.0, 10.0])).tolist() == [0] * 13 + [1, 1, 2]
+    assert oal_groups.find_groups(constant_rows([1.0] * 13 + [3.0, 3.0, 10.0])).tolist() == [0] * 13 + [1, 1, 2]
     # no outlier: ratios 1.1, 1.09, 1.17, none passes; the best-ranked (highest ratio, t = 14) is used anyway
-    assert fm.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4])).tolist() == [0] * 15 + [1]
+    assert oal_groups.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4])).tolist() == [0] * 15 + [1]
     # a tie: ratios 1.25, 1.2, 1.25 (exact in binary); t = 12 and t = 14 tie, the lower index wins
-    assert fm.find_groups(constant_rows([1.0] * 13 + [1.25, 1.5, 1.875])).tolist() == [0] * 13 + [1, 1, 1]
+    assert oal_groups.find_groups(constant_rows([1.0] * 13 + [1.25, 1.5, 1.875])).tolist() == [0] * 13 + [1, 1, 1]
     # never more than ceil(D/4) - 1 = 3 dims above the lowest boundary: a 4-dim outlier block is out of reach
-    groups = fm.find_groups(constant_rows([1.0] * 12 + [10.0] * 4))
+    groups = oal_groups.find_groups(constant_rows([1.0] * 12 + [10.0] * 4))
     assert groups.max() == 1 and groups.sum() <= 3
     # the budget study's rule: the G - 1 best-ranked boundaries whatever their ratio: t = 14 (1.17), then t = 12 (1.1)
-    assert fm.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4]), budget=3).tolist() == [0] * 13 + [1, 1, 2]
-    assert fm.find_groups(constant_rows([1.0] * 16), budget=1).eq(0).all()
+    assert oal_groups.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4]), budget=3).tolist() == [0] * 13 + [1, 1, 2]
+    assert oal_groups.find_groups(constant_rows([1.0] * 16), budget=1).eq(0).all()
 
 
 def test_find_groups_support_comes_first():
@@ -724,10 +566,10 @@ def test_find_groups_support_comes_first():
     g = torch.Generator().manual_seed(0)
     noisy = 1 + 0.05 * torch.rand(32, 16, generator=g)
     noisy[::2, 15] *= 2.1
-    ranked = fm.rank_cuts(noisy)
+    ranked = oal_groups.rank_cuts(noisy)
     assert ranked[0][0] == [15] and ranked[0][1] >= 1.5 and 0 < ranked[0][2] < 0.9
     assert all(support == 0 for _, _, support in ranked[1:])
-    assert fm.find_groups(noisy).tolist() == [0] * 15 + [1]
+    assert oal_groups.find_groups(noisy).tolist() == [0] * 15 + [1]
 
 
 def test_oal_grouping_then_calibration_keeps_the_best_checkpoint():
