@@ -182,6 +182,23 @@ def test_train_ar_max_minutes_stops_after_the_epoch():
         assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
 
 
+def test_train_ar_early_stopping_watches_the_test_loss():
+    """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
+    loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3,
+    and the loss is that of the untrained model, built again here."""
+    data = (*train_ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
+            *train_ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
+    cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
+    record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
+    assert record["epochs"] == 3 and len(record["test_loss_per_epoch"]) == 3
+    torch.manual_seed(0)
+    model = train_ar.ARModel("softmax", 12, 18, qk_dim=16).eval()
+    x_test, y_test = data[2], data[3]
+    with torch.no_grad():
+        loss = F.cross_entropy(model(x_test)[:, -1], y_test[:, -1]).item()
+    assert record["test_loss_per_epoch"] == pytest.approx([loss] * 3, rel=1e-6)
+
+
 def test_scripts_reject_unknown_settings():
     for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"]):
         assert "error" in run_script("train_ar.py", *args, ok=False)
@@ -237,9 +254,9 @@ def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
     assert model.generate(idx[:, :3], 5).shape == (4, 8)
 
 
-@pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2"] + NAMES)
+@pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2", "hedgehog_exp"] + NAMES)
 def test_every_attention_trains_in_the_ar_model(name, torch_path):
-    """train_ar.py's model and names (exp_t1 / exp_t2 included): a few steps on one batch lower the loss."""
+    """train_ar.py's model and names (its variants included): a few steps on one batch lower the loss."""
     fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))
     torch.manual_seed(0)
     model = train_ar.ARModel(fmap_name, **kw)

@@ -71,7 +71,8 @@ batch_size = 64
 lr = 3e-3
 weight_decay = 0.1
 warmup = 0.0  # > 0: linear warm-up over this fraction of all steps, then linear decay to 0; 0: constant lr
-patience = 0  # stop after this many epochs after the warm-up without a better accuracy (0: no such stop)
+patience = 0  # stop after this many epochs after the warm-up without a better `early_stop` (0: no such stop)
+early_stop = "loss"  # what patience watches on the first 500 test sequences: "loss" (Hedgehog App. B.1) or "accuracy"
 max_minutes = 0.0  # per run: stop after the epoch in which this much time has passed (0: no limit)
 target_acc = 0.99  # stop when the per-epoch accuracy (on the first 500 test sequences) reaches this
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
@@ -85,6 +86,7 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 
 # names in `attentions` that are a feature map with settings
 VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0}),
+            "hedgehog_exp": ("hedgehog", {"mode": "exp"}),  # Sec. 4.2's raw exp, not App. A.1's softmax
             **{f"exp_norm_t{t}": ("exp", {"t": float(t), "normalize": True}) for t in (1, 2, 4, 8, 16)}}
 
 
@@ -240,18 +242,19 @@ def lookup_stats(model, x):
 
 
 @torch.inference_mode()
-def accuracy(model, inputs, labels, batch=500):
-    """Accuracy on the labelled positions (the last one in test)."""
+def evaluate(model, inputs, labels, batch=500):
+    """(accuracy, mean cross-entropy) on the labelled positions (the last one in test)."""
     model.eval()
-    correct = total = 0
+    correct = total = loss = 0
     for i in range(0, len(inputs), batch):
         x, y = inputs[i:i + batch], labels[i:i + batch]
-        pred = model(x).argmax(-1)
+        logits = model(x)
         mask = y != -100
-        correct += (pred[mask] == y[mask]).sum().item()
+        correct += (logits.argmax(-1)[mask] == y[mask]).sum().item()
+        loss += F.cross_entropy(logits[mask], y[mask], reduction="sum").item()
         total += mask.sum().item()
     model.train()
-    return correct / total
+    return correct / total, loss / total
 
 
 def train_one(attention, features, seed, data, cfg, dev):
@@ -271,8 +274,8 @@ def train_one(attention, features, seed, data, cfg, dev):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
-    per_epoch, best, since_best = [], 0.0, 0
-    t0, epoch, step, curve = time.time(), 0, 0, [(0, accuracy(model, x_test[:500], y_test[:500]))]
+    per_epoch, val_loss, best, since_best = [], [], float("inf"), 0
+    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500])[0])]
     for epoch in range(1, cfg["epochs"] + 1):
         total = 0.0
         perm = torch.randperm(len(x_train), generator=g)
@@ -291,14 +294,16 @@ def train_one(attention, features, seed, data, cfg, dev):
             total += loss.item() * len(idx)
             step += 1
             if step % cfg["eval_every"] == 0:
-                curve.append((step, accuracy(model, x_test[:500], y_test[:500])))
+                curve.append((step, evaluate(model, x_test[:500], y_test[:500])[0]))
         if name == "oal" and epoch == 1:
             regroup_oal(model, x_train[:256])
-        acc = accuracy(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
+        acc, test_loss = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
         per_epoch.append(acc)
-        best, since_best = (acc, 0) if acc > best else (best, since_best + (step > warm))  # not counted in warm-up
+        val_loss.append(test_loss)
+        watched = test_loss if cfg["early_stop"] == "loss" else -acc  # lower is better; warm-up epochs do not count
+        best, since_best = (watched, 0) if watched < best else (best, since_best + (step > warm))
         print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
-              f"test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
+              f"test loss {test_loss:.3f}, test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
         if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
                 or 0 < cfg["patience"] <= since_best):
             break
@@ -309,7 +314,7 @@ def train_one(attention, features, seed, data, cfg, dev):
               f"(try a lower --lr, now {cfg['lr']})", flush=True)
         return {"attention": attention, "seed": seed, "features": F_, "stopped": f"non-finite attention after step {step}"}
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
-    return {"attention": attention, "seed": seed, "test_acc": accuracy(model, x_test, y_test),
+    return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test)[0],
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
             "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),
@@ -317,7 +322,7 @@ def train_one(attention, features, seed, data, cfg, dev):
             "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(),
             "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
             "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step,
-            "test_acc_per_epoch": per_epoch, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
+            "test_acc_per_epoch": per_epoch, "test_loss_per_epoch": val_loss, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
             "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
 
 
@@ -456,6 +461,7 @@ def make_data(cfg):
 def check(cfg):
     """Every setting in range for the task, before any work."""
     choices(cfg, "format", ("pairs", "h3"))
+    choices(cfg, "early_stop", ("loss", "accuracy"))
     at_least(cfg, 1, "num_train", "num_test", "n_layer", "d_model", "n_head", "epochs", "batch_size", "eval_every")
     at_least(cfg, 0, "mlp_ratio", "dropout", "warmup", "patience", "max_minutes", "weight_decay", "workers")
     positive(cfg, "lr")

@@ -3,10 +3,11 @@
 Sources (HazyResearch/safari): src/dataloaders/synthetics.py (the data), configs/dataset/icl_synthetics.yaml,
 configs/experiment/synthetics/associative_recall/base.yaml (optimiser, schedule, 400 epochs) and
 transformer.yaml (the model). Hedgehog App. B.1: 40 tokens, 128-token sequences, 10,000 training and
-2,000 test sequences, early stopping after 10 epochs without improvement.
+2,000 test sequences, early stopping once the validation loss has not decreased for 10 epochs.
 Differences that remain: our blocks are pre-norm; attention dropout acts on softmax's weights only,
-since linear attention never forms them; early stopping watches the first 500 test sequences and
-starts counting after the warm-up (H3's code has no early stopping, Hedgehog's schedule is not given).
+since linear attention never forms them; early stopping watches the loss on the first 500 test
+sequences (the answer's cross-entropy) and starts counting after the warm-up (H3's code has no early
+stopping, Hedgehog's schedule is not given).
 """
 format = "h3"  # k v ... => q v; every next token labelled in training, only the last in test; unique examples
 vocab_size = 40  # with H3's two special tokens: 19 keys, 19 values, "=>", and a no-op never drawn
