@@ -200,7 +200,7 @@ def test_train_ar_early_stopping_watches_the_test_loss():
 
 
 def test_scripts_reject_unknown_settings():
-    for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"]):
+    for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"], ["--early_stop=acc"]):
         assert "error" in run_script("train_ar.py", *args, ok=False)
 
 
