@@ -274,7 +274,7 @@ def train_one(attention, features, seed, data, cfg, dev):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
-    per_epoch, val_loss, best, since_best = [], [], float("inf"), 0
+    acc_per_epoch, loss_per_epoch, best, since_best = [], [], float("inf"), 0
     t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500])[0])]
     for epoch in range(1, cfg["epochs"] + 1):
         total = 0.0
@@ -298,8 +298,8 @@ def train_one(attention, features, seed, data, cfg, dev):
         if name == "oal" and epoch == 1:
             regroup_oal(model, x_train[:256])
         acc, test_loss = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
-        per_epoch.append(acc)
-        val_loss.append(test_loss)
+        acc_per_epoch.append(acc)
+        loss_per_epoch.append(test_loss)
         watched = test_loss if cfg["early_stop"] == "loss" else -acc  # lower is better; warm-up epochs do not count
         best, since_best = (watched, 0) if watched < best else (best, since_best + (step > warm))
         print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
@@ -322,7 +322,7 @@ def train_one(attention, features, seed, data, cfg, dev):
             "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(),
             "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
             "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step,
-            "test_acc_per_epoch": per_epoch, "test_loss_per_epoch": val_loss, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
+            "test_acc_per_epoch": acc_per_epoch, "test_loss_per_epoch": loss_per_epoch, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
             "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
 
 
