@@ -1,7 +1,7 @@
 """
 The test suite: every attention path against an independent float64 oracle, every feature map against
 its closed form, the module, distillation, and no float64 in float32 runs. Run: python -m pytest -q
-(test_kernel.py tests kernel.py and the build check; test_scripts.py runs the scripts;
+(test_kernel.py tests kernel.py and the build check; test_ar.py and test_scripts.py run the scripts;
 test_pretrained.py the pretrained models.)
 
 The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must be set before triton

@@ -34,10 +34,10 @@ config/ar_h3.py is that whole published recipe.
         --seeds=0,1,2 --out_dir=results/ar_capacity      # accuracy against state size
     python train_ar.py config/ar_h3.py                    # the published recipe (a GPU job in full)
 
-Writes out_dir/ar.json, one record per run, and with matplotlib ar_entropy.png (accuracy against the
-retrieval head's entropy, Fig. 4), ar_lookup.png (the retrieval head's query row on one sequence,
-the answer's positions marked, Fig. 2), ar_curves.png (accuracy against steps) and, when `features`
-sweeps, ar_capacity.png.
+Writes out_dir/ar.json, one record per run, then plot_ar.report's table (ar_summary.txt) and figures:
+accuracy against the retrieval head's entropy (Fig. 4), its query row on one sequence (Fig. 2), the
+learning curves and, when `features` sweeps, accuracy against state size. plot_ar.py redraws them from
+saved files and merges runs made at different times.
 """
 import json
 import os
@@ -48,8 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import Block, entropy
-from configurator import at_least, choices, configure, integers, pick_device, positive, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, positive
 from feature_maps import FEATURE_MAPS, make_feature_map
+from plot_ar import report
 
 # ---- config: plain values, override with --key=value or a config file ----
 format = "pairs"  # "pairs": k v ... k, one label (Hedgehog App. B.1); "h3": k v ... => k v, every next token (H3)
@@ -348,107 +349,6 @@ def regroup_oal(model, x):
         h = block(h)
 
 
-def summarize(records):
-    """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
-    as the mean over the seeds that got there, with how many did."""
-    rows = {}
-    for r in records:
-        rows.setdefault((r["attention"], r["features"]), []).append(r)
-    lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'test acc':>14} {'retr. entropy':>13} "
-             f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'seconds':>7}"]
-    for (name, F_), rs in rows.items():
-        def ms(key, fmt):
-            vals = torch.tensor([float(r[key]) for r in rs])
-            return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
-
-        got = [r["steps_to_50"] for r in rs if r["steps_to_50"] is not None]
-        steps = f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
-        heads = ",".join(sorted({f"{r['retrieval_layer']}.{r['retrieval_head']}" for r in rs}))
-        lines.append(f"{name:<12} {F_:>4} {rs[0]['qk_dim']:>3} {rs[0]['state_size']:>6} {ms('test_acc', '{:.3f}'):>14} "
-                     f"{ms('retrieval_entropy', '{:.2f}'):>13} {ms('target_mass', '{:.2f}'):>13} {heads:>4} "
-                     f"{steps:>13} {ms('seconds', '{:.0f}'):>7}")
-    return "\n".join(lines)
-
-
-def names_in(records):
-    return list(dict.fromkeys(r["attention"] for r in records))
-
-
-def plot_entropy(plt, records, out_dir):
-    """Hedgehog Fig. 4: test accuracy against the retrieval head's entropy, and against its weight on the
-    answer's positions; one point per run."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
-    for j, name in enumerate(names_in(records)):
-        rs = [r for r in records if r["attention"] == name]
-        for ax, key in zip(axes, ("retrieval_entropy", "target_mass")):
-            ax.scatter([r[key] for r in rs], [r["test_acc"] for r in rs], color=f"C{j % 10}",
-                       marker="o" if j < 10 else "s", label=name)
-    axes[0].set(xlabel="entropy of the retrieval head's query row (nats)", ylabel="test accuracy")
-    axes[1].set(xlabel="its weight on the answer's positions (target mass)")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle("Associative recall: accuracy vs spikiness (cf. Hedgehog Fig. 4)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_entropy.png"), dpi=120)
-
-
-def plot_lookup(plt, records, out_dir):
-    """Hedgehog Fig. 2: each map's retrieval-head query row on the first test sequence, answers marked."""
-    first = [next(r for r in records if r["attention"] == name) for name in names_in(records)]
-    fig, axes = plt.subplots(len(first), 1, figsize=(8, 0.9 * len(first) + 0.6), sharex=True, squeeze=False)
-    for ax, r in zip(axes[:, 0], first):
-        row = r["query_row"]
-        ax.bar(range(len(row)), row, width=1.0, color="C0")
-        for p in r["answer_positions"]:
-            ax.axvspan(p - 0.5, p + 0.5, color="C3", alpha=0.3, lw=0)
-        ax.set_ylim(0, max(max(row), 1e-3) * 1.1)
-        ax.set_yticks([])
-        ax.set_ylabel(r["attention"], rotation=0, ha="right", va="center", fontsize=8)
-        ax.text(1.0, 0.5, f" acc {r['test_acc']:.2f}\n mass {r['target_mass']:.2f}\n H {r['retrieval_entropy']:.2f}",
-                transform=ax.transAxes, fontsize=7, va="center")
-    axes[-1, 0].set_xlabel("position attended from the query (red: the answer's positions)")
-    fig.suptitle("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_lookup.png"), dpi=120)
-
-
-def plot_curves(plt, records, out_dir):
-    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max."""
-    F0 = records[0]["features_asked"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for j, name in enumerate(names_in(records)):
-        curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
-        n = min(len(c) for c in curves)  # early stopping can end some seeds sooner
-        steps = [s for s, _ in curves[0][:n]]
-        accs = torch.tensor([[a for _, a in c[:n]] for c in curves])  # (seeds, n)
-        ax.plot(steps, accs.mean(0), color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
-        ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
-    ax.set(xlabel="training step", ylabel="test accuracy (500 sequences)", title="Associative recall: learning speed")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_curves.png"), dpi=120)
-
-
-def plot_capacity(plt, records, out_dir):
-    """Zoology Fig. 2: accuracy against the state size of one layer, mean over seeds and min-max bars."""
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for j, name in enumerate(names_in(records)):
-        points = {}
-        for r in records:
-            if r["attention"] == name:
-                points.setdefault(r["state_size"], []).append(r["test_acc"])
-        x = sorted(points)
-        acc = [torch.tensor(points[s]) for s in x]
-        mean = [a.mean().item() for a in acc]
-        err = [[m - a.min().item() for m, a in zip(mean, acc)], [a.max().item() - m for m, a in zip(mean, acc)]]
-        ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, color=f"C{j % 10}", label=name)
-    ax.set_xscale("log")
-    ax.set(xlabel="state size of one layer (numbers; softmax: its KV cache)", ylabel="test accuracy",
-           title="Associative recall: accuracy vs memory (cf. Zoology Fig. 2)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ar_capacity.png"), dpi=120)
-
-
 def make_data(cfg):
     """(x_train, y_train, x_test, y_test) in the configured format."""
     n, v = cfg["seq_len"], cfg["vocab_size"]
@@ -490,8 +390,6 @@ def main(cfg):
         records = [train_one(*job) for job in jobs]
     stopped = [r for r in records if "stopped" in r]
     records = [r for r in records if "stopped" not in r]
-    if records:
-        print("\n" + summarize(records))
     os.makedirs(cfg["out_dir"], exist_ok=True)
     path = os.path.join(cfg["out_dir"], "ar.json")
     for r in records:
@@ -499,18 +397,12 @@ def main(cfg):
     with open(path, "w") as f:
         json.dump(records + stopped, f, indent=1)
     print(f"saved {path}")
+    if records:
+        report(records, cfg["out_dir"], cfg["plots"])
     if stopped:
         raise SystemExit(f"error: {len(stopped)} run(s) stopped on a non-finite loss: "
                          + "; ".join(f"{r['attention']} seed {r['seed']} {r['stopped']}" for r in stopped)
                          + f" (recorded in {path}); try a lower --lr")
-    plt = pyplot() if cfg["plots"] else None
-    if plt is not None:
-        plot_entropy(plt, records, cfg["out_dir"])
-        plot_lookup(plt, records, cfg["out_dir"])
-        plot_curves(plt, records, cfg["out_dir"])
-        if len(sizes) > 1:
-            plot_capacity(plt, records, cfg["out_dir"])
-        print(f"figures: {cfg['out_dir']}/ar_*.png")
     return records
 
 

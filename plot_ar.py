@@ -1,0 +1,196 @@
+"""
+The table and figures of associative-recall runs, from the ar.json files that train_ar.py writes.
+
+train_ar.py calls report() at the end of every run. Run on its own, this file redraws them from saved
+runs, and merges several files into one table, e.g. seeds trained at different times:
+
+    python plot_ar.py --runs=results/ar.json
+    python plot_ar.py --runs=results/ar_a/ar.json,results/ar_b/ar.json --out_dir=results/ar_ab
+
+Files are merged only when their runs were trained with the same settings (all but the attentions,
+seeds and feature sizes asked, and where they ran), and each (attention, F, seed) appears once.
+
+The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
+The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
+Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig. 2), ar_curves.png
+(accuracy against training steps) and, when F varies, ar_capacity.png (Zoology Fig. 2).
+"""
+import json
+import os
+
+import torch
+
+from configurator import configure, pyplot
+
+# ---- config: plain values, override with --key=value ----
+runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py
+out_dir = ""  # where the table and figures go; "": the folder of the first file
+plots = True
+# -----------------------------------------------------------
+config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
+# settings that may differ between merged files: what was trained and where, not how
+FREE = {"attentions", "seeds", "features", "out_dir", "plots", "device", "workers"}
+
+
+def summarize(records):
+    """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
+    as the mean over the seeds that got there, with how many did."""
+    rows = {}
+    for r in records:
+        rows.setdefault((r["attention"], r["features"]), []).append(r)
+    lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'seeds':>5} {'test acc':>14} {'retr. entropy':>13} "
+             f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'seconds':>7}"]
+    for (name, F_), rs in rows.items():
+        def ms(key, fmt):
+            vals = torch.tensor([float(r[key]) for r in rs])
+            return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
+
+        got = [r["steps_to_50"] for r in rs if r["steps_to_50"] is not None]
+        steps = f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
+        heads = ",".join(sorted({f"{r['retrieval_layer']}.{r['retrieval_head']}" for r in rs}))
+        lines.append(f"{name:<12} {F_:>4} {rs[0]['qk_dim']:>3} {rs[0]['state_size']:>6} {len(rs):>5} "
+                     f"{ms('test_acc', '{:.3f}'):>14} {ms('retrieval_entropy', '{:.2f}'):>13} "
+                     f"{ms('target_mass', '{:.2f}'):>13} {heads:>4} {steps:>13} {ms('seconds', '{:.0f}'):>7}")
+    return "\n".join(lines)
+
+
+def names_in(records):
+    return list(dict.fromkeys(r["attention"] for r in records))
+
+
+def plot_entropy(plt, records, out_dir):
+    """Hedgehog Fig. 4: test accuracy against the retrieval head's entropy, and against its weight on the
+    answer's positions; one point per run."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
+    for j, name in enumerate(names_in(records)):
+        rs = [r for r in records if r["attention"] == name]
+        for ax, key in zip(axes, ("retrieval_entropy", "target_mass")):
+            ax.scatter([r[key] for r in rs], [r["test_acc"] for r in rs], color=f"C{j % 10}",
+                       marker="o" if j < 10 else "s", label=name)
+    axes[0].set(xlabel="entropy of the retrieval head's query row (nats)", ylabel="test accuracy")
+    axes[1].set(xlabel="its weight on the answer's positions (target mass)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle("Associative recall: accuracy vs spikiness (cf. Hedgehog Fig. 4)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_entropy.png"), dpi=120)
+
+
+def plot_lookup(plt, records, out_dir):
+    """Hedgehog Fig. 2: each map's retrieval-head query row on the first test sequence, answers marked."""
+    first = [next(r for r in records if r["attention"] == name) for name in names_in(records)]
+    fig, axes = plt.subplots(len(first), 1, figsize=(8, 0.9 * len(first) + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], first):
+        row = r["query_row"]
+        ax.bar(range(len(row)), row, width=1.0, color="C0")
+        for p in r["answer_positions"]:
+            ax.axvspan(p - 0.5, p + 0.5, color="C3", alpha=0.3, lw=0)
+        ax.set_ylim(0, max(max(row), 1e-3) * 1.1)
+        ax.set_yticks([])
+        ax.set_ylabel(r["attention"], rotation=0, ha="right", va="center", fontsize=8)
+        ax.text(1.0, 0.5, f" acc {r['test_acc']:.2f}\n mass {r['target_mass']:.2f}\n H {r['retrieval_entropy']:.2f}",
+                transform=ax.transAxes, fontsize=7, va="center")
+    axes[-1, 0].set_xlabel("position attended from the query (red: the answer's positions)")
+    fig.suptitle("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_lookup.png"), dpi=120)
+
+
+def plot_curves(plt, records, out_dir):
+    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max."""
+    F0 = records[0]["features_asked"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for j, name in enumerate(names_in(records)):
+        curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)  # early stopping can end some seeds sooner
+        steps = [s for s, _ in curves[0][:n]]
+        accs = torch.tensor([[a for _, a in c[:n]] for c in curves])  # (seeds, n)
+        ax.plot(steps, accs.mean(0), color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
+        ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
+    ax.set(xlabel="training step", ylabel="test accuracy (500 sequences)", title="Associative recall: learning speed")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_curves.png"), dpi=120)
+
+
+def plot_capacity(plt, records, out_dir):
+    """Zoology Fig. 2: accuracy against the state size of one layer, mean over seeds and min-max bars."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for j, name in enumerate(names_in(records)):
+        points = {}
+        for r in records:
+            if r["attention"] == name:
+                points.setdefault(r["state_size"], []).append(r["test_acc"])
+        x = sorted(points)
+        acc = [torch.tensor(points[s]) for s in x]
+        mean = [a.mean().item() for a in acc]
+        err = [[m - a.min().item() for m, a in zip(mean, acc)], [a.max().item() - m for m, a in zip(mean, acc)]]
+        ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, color=f"C{j % 10}", label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="state size of one layer (numbers; softmax: its KV cache)", ylabel="test accuracy",
+           title="Associative recall: accuracy vs memory (cf. Zoology Fig. 2)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_capacity.png"), dpi=120)
+
+
+def report(records, out_dir, plots=True):
+    """Print the table and save it as out_dir/ar_summary.txt; with matplotlib, save the figures."""
+    table = summarize(records)
+    print("\n" + table)
+    with open(os.path.join(out_dir, "ar_summary.txt"), "w") as f:
+        f.write(table + "\n")
+    plt = pyplot() if plots else None
+    if plt is not None:
+        plot_entropy(plt, records, out_dir)
+        plot_lookup(plt, records, out_dir)
+        plot_curves(plt, records, out_dir)
+        if len({r["features_asked"] for r in records}) > 1:
+            plot_capacity(plt, records, out_dir)
+        print(f"figures: {out_dir}/ar_*.png")
+
+
+def load(paths):
+    """The finished runs of several ar.json files, checked to be one experiment; runs that stopped on a
+    non-finite loss are named and left out."""
+    records, seen, settings = [], {}, None
+    for path in paths:
+        try:
+            with open(path) as f:
+                got = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: cannot read {path}: {e}")
+        if not (isinstance(got, list) and got and all(isinstance(r, dict) and "attention" in r and "seed" in r for r in got)):
+            raise SystemExit(f"error: {path} is not an ar.json of train_ar.py (a list of run records)")
+        for r in got:
+            if "stopped" in r:
+                print(f"{path}: {r['attention']} seed {r['seed']} stopped ({r['stopped']}): left out")
+                continue
+            key = (r["attention"], r["features"], r["seed"])
+            if key in seen:
+                raise SystemExit(f"error: {r['attention']} F={r['features']} seed {r['seed']} is in both {seen[key]} and {path}")
+            seen[key] = path
+            cfg = {k: v for k, v in r["config"].items() if k not in FREE}
+            if settings is None:
+                settings = (cfg, path)
+            elif cfg != settings[0]:
+                k = next(k for k in sorted(cfg.keys() | settings[0].keys()) if cfg.get(k) != settings[0].get(k))
+                raise SystemExit(f"error: {settings[1]} and {path} were trained with different settings: "
+                                 f"{k}={settings[0].get(k)!r} against {k}={cfg.get(k)!r}")
+            records.append(r)
+    if not records:
+        raise SystemExit(f"error: no finished runs in {', '.join(paths)}")
+    return records
+
+
+if __name__ == "__main__":
+    cfg = configure(config)
+    paths = [p for p in cfg["runs"].split(",") if p]
+    if not paths:
+        raise SystemExit("error: --runs: give one or more ar.json files, comma-separated")
+    out = cfg["out_dir"] or os.path.dirname(paths[0]) or "."
+    records = load(paths)
+    os.makedirs(out, exist_ok=True)
+    report(records, out, cfg["plots"])

@@ -1,0 +1,251 @@
+"""
+Associative recall as a user runs it: train_ar.py's data, model, stopping rules and runs, and plot_ar.py's
+merged tables. Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
+Run: python -m pytest -q test_ar.py
+"""
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import configurator
+import feature_maps as fm
+import train_ar
+from attention import attention_weights
+from test_all import HERE, NAMES, run_script
+
+def test_ar_data_labels_are_the_recalled_values():
+    """Check every label against a plain scan of its sequence."""
+    x, y = train_ar.make_ar_data(20, seed=3)
+    assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
+    for row, lab in zip(x.tolist(), y.tolist()):
+        value_of = {}
+        for t, tok in enumerate(row):
+            assert lab[t] == (value_of[tok] if t == len(row) - 1 else -100)
+            if t % 2 == 1:
+                assert value_of.setdefault(row[t - 1], tok) == tok  # one value per key in a sequence
+
+
+def test_h3_data_is_the_published_format():
+    """H3's format: pairs, then => q v; every next token labelled in training, only the answer in test;
+    the query key is in context and its label is its value there; every example unique."""
+    n_keys, prefix = 19, 38
+    for train in (True, False):
+        x, y = train_ar.make_h3_data(300, seq_len=16, vocab_size=40, seed=4, train=train)
+        assert x.shape == y.shape == (300, 18)
+        assert len({tuple(r) for r in x.tolist()}) == 300  # unique (inputs determine the examples here)
+        for row, lab in zip(x.tolist(), y.tolist()):
+            assert row[-2] == prefix and row[-1] < n_keys and prefix not in row[:-2] and prefix + 1 not in row
+            value_of = {}
+            for t in range(0, 16, 2):
+                assert row[t] < n_keys <= row[t + 1] < 2 * n_keys
+                assert value_of.setdefault(row[t], row[t + 1]) == row[t + 1]
+            assert lab[-1] == value_of[row[-1]]
+            if train:
+                assert lab[:-1] == row[1:]  # the next token at every position
+            else:
+                assert lab[:-1] == [-100] * 17
+
+
+def test_answer_positions_and_the_retrieval_head():
+    """answer_positions against a scan; lookup_stats on a stub whose layer 1, head 0 puts all its weight
+    on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each."""
+    x, _ = train_ar.make_ar_data(6, seed=5)
+    target = train_ar.answer_positions(x)
+    for row, mask in zip(x.tolist(), target.tolist()):
+        assert mask == [t > 0 and row[t - 1] == row[-1] for t in range(len(row))]
+    N, T = x.shape
+
+    class Stub(torch.nn.Module):
+        def forward(self, idx, return_weights=False):
+            uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]  # (T, T)
+            spiky = uniform.clone().expand(N, T, T).clone()
+            spiky[:, -1] = target / target.sum(-1, keepdim=True)
+            w0 = uniform.expand(N, 2, T, T)
+            w1 = torch.stack([spiky, uniform.expand(N, T, T)], 1)  # (N, 2, T, T)
+            return None, [w0, w1]
+
+    mass, ent, rows = train_ar.lookup_stats(Stub(), x)
+    count = target.sum(-1).double()
+    assert mass.shape == ent.shape == (2, 2) and rows.shape == (2, 2, N, T)
+    assert mass.argmax().item() == 2 and abs(mass[1, 0] - 1) < 1e-6
+    assert abs(ent[1, 0] - count.log().mean()) < 1e-5
+    assert abs(mass[0, 0] - (count / T).mean()) < 1e-6 and abs(ent[0, 1] - math.log(T)) < 1e-5
+
+
+@pytest.mark.parametrize("target", [16, 64])
+def test_ar_gives_every_map_the_feature_size_asked(target):
+    """qk_dim_for picks the q/k head size whose F is closest to the target; the model's map has that F."""
+    for name in ["softmax", *NAMES]:
+        D = train_ar.qk_dim_for(name, {}, target)
+        F_ = train_ar.feature_size(name, D, {})
+        assert all(abs(F_ - target) <= abs(train_ar.feature_size(name, d, {}) - target) for d in range(2, target + 1))
+        assert abs(F_ - target) <= {"taylor": 12, "quadratic": 12, "oal": 12, "taylorshift": 12}.get(name, 2), (name, D, F_)
+        model = train_ar.ARModel(name, qk_dim=D)
+        if name != "softmax":
+            q = torch.randn(1, 1, 5, D)
+            assert model.blocks[0].attn.fmap(q, q)[0].shape[-1] == F_
+    assert train_ar.state_size("elu", 64, 64, 1, 64, 127) == 64 * 64 + 64
+    assert train_ar.state_size("softmax", 64, 64, 2, 64, 127) == 2 * 127 * (64 + 32)
+
+
+def test_exp_normalize_makes_t_a_temperature():
+    """exp with normalize=True: the weights of exp(t q_hat) . exp(t k_hat) in float64; doubling W does
+    nothing to them (unlike the plain exp, where t W x = (t W) x)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 9, 8, dtype=torch.float64), torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    qh, kh = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    A = torch.exp(2.0 * qh) @ torch.exp(2.0 * kh).transpose(-1, -2)
+    ref = (A * torch.tril(torch.ones(9, 9))) / (A * torch.tril(torch.ones(9, 9))).sum(-1, keepdim=True)
+    fmap = fm.make_feature_map("exp", 8, t=2.0, normalize=True)
+    assert torch.allclose(attention_weights(q, k, fmap), ref, atol=1e-12)
+    assert torch.allclose(attention_weights(3 * q, 3 * k, fmap), ref, atol=1e-12)
+    assert not torch.allclose(attention_weights(3 * q, 3 * k, fm.make_feature_map("exp", 8, t=2.0)),
+                              attention_weights(q, k, fm.make_feature_map("exp", 8, t=2.0)), atol=1e-3)
+
+
+def test_config_files(tmp_path):
+    """A config file of literal assignments applies like flags (flags after it win); anything else is refused;
+    config/ar_h3.py is valid for train_ar."""
+    path = tmp_path / "c.py"
+    path.write_text('"""doc"""\nepochs = 7\nlr = 1  # an int where a float is expected is fine\nformat = "h3"\n')
+    cfg = configurator.configure(dict(train_ar.config), [str(path), "--epochs=2"])
+    assert (cfg["epochs"], cfg["lr"], cfg["format"]) == (2, 1.0, "h3")
+    for bad in ("epochs = 2 + 1\n", "import os\n", "nope = 1\n", "epochs = 'x'\n"):
+        path.write_text(bad)
+        with pytest.raises(SystemExit, match="error"):
+            configurator.configure(dict(train_ar.config), [str(path)])
+    cfg = configurator.configure(dict(train_ar.config), [os.path.join(HERE, "config", "ar_h3.py")])
+    assert (cfg["format"], cfg["d_model"], cfg["mlp_ratio"], cfg["token_shift"], cfg["warmup"]) == ("h3", 32, 4, False, 0.1)
+
+
+AR_FIELDS = {"attention", "seed", "test_acc", "features", "state_size", "retrieval_entropy", "target_mass"}
+
+
+def test_train_ar_smoke(tmp_path):
+    """Guards: the loop trains (the training loss falls for every attention), the records are what the
+    models are (parameter counts against an independent build) and carry the issue's fields, and the
+    OAL regrouping runs."""
+    out = run_script("train_ar.py", "--attentions=softmax,exp_norm_t2,oal", "--num_train=256", "--num_test=32",
+                     "--epochs=3", "--batch_size=32", "--target_acc=2", f"--out_dir={tmp_path}")
+    assert "oal: layer groups per head" in out
+    records = json.load(open(tmp_path / "ar.json"))
+    assert [r["attention"] for r in records] == ["softmax", "exp_norm_t2", "oal"]
+    for r in records:
+        losses = [float(x) for x in re.findall(rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)", out)]
+        assert len(losses) == 3 and losses[-1] < losses[0], (r["attention"], losses)
+        name, kw = train_ar.VARIANTS.get(r["attention"], (r["attention"], {}))
+        assert r["params"] == sum(p.numel() for p in train_ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
+        assert AR_FIELDS <= set(r) and 0 <= r["test_acc"] <= 1 and 0 < r["retrieval_entropy"] <= math.log(127)
+        assert 0 <= r["target_mass"] <= 1 and len(r["query_row"]) == 127
+    assert {r["features"] for r in records} == {64, 66}
+    for png in ("ar_entropy", "ar_lookup", "ar_curves"):
+        assert (tmp_path / f"{png}.png").exists()
+
+
+def test_train_ar_published_recipe_and_capacity_sweep(tmp_path):
+    """config/ar_h3.py on a tiny budget: its data reach the model (dense train labels, last-only test), the
+    schedule warms up and decays, and the records are complete; a two-size sweep makes the capacity figure."""
+    out = run_script("train_ar.py", "config/ar_h3.py", "--attentions=softmax,hedgehog", "--num_train=64",
+                     "--num_test=16", "--epochs=2", "--eval_every=1", f"--out_dir={tmp_path}")
+    records = json.load(open(tmp_path / "ar.json"))
+    assert "epoch 2" in out and [r["features"] for r in records] == [32, 64]  # softmax's D = 32, Hedgehog's 2D
+    for r in records:
+        assert AR_FIELDS <= set(r) and r["steps"] == 4 and r["state_size"] == (130 * 64 if r["attention"] == "softmax" else 64 * 32 + 64)
+    run_script("train_ar.py", "--attentions=elu", "--features=8,16", "--num_train=64", "--num_test=16", "--epochs=1",
+               f"--out_dir={tmp_path}")
+    records = json.load(open(tmp_path / "ar.json"))
+    assert [(r["features"], r["state_size"]) for r in records] == [(8, 8 * 64 + 8), (16, 16 * 64 + 16)]
+    assert (tmp_path / "ar_capacity.png").exists()
+
+
+def test_train_ar_max_minutes_stops_after_the_epoch():
+    """--max_minutes ends a run after the epoch in which the time passed; 0 means no limit."""
+    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(16, seed=2))
+    for minutes, epochs in ((1e-9, 1), (0.0, 3)):
+        cfg = dict(train_ar.config, epochs=3, batch_size=32, eval_every=1, target_acc=2.0, max_minutes=minutes)
+        record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
+        assert record["epochs"] == epochs and len(record["test_acc_per_epoch"]) == epochs
+        assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
+
+
+def test_train_ar_early_stopping_watches_the_test_loss():
+    """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
+    loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3,
+    and the loss is that of the untrained model, built again here."""
+    data = (*train_ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
+            *train_ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
+    cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
+    record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
+    assert record["epochs"] == 3 and len(record["test_loss_per_epoch"]) == 3
+    torch.manual_seed(0)
+    model = train_ar.ARModel("softmax", 12, 18, qk_dim=16).eval()
+    x_test, y_test = data[2], data[3]
+    with torch.no_grad():
+        loss = F.cross_entropy(model(x_test)[:, -1], y_test[:, -1]).item()
+    assert record["test_loss_per_epoch"] == pytest.approx([loss] * 3, rel=1e-6)
+
+
+def test_scripts_reject_unknown_settings():
+    for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"], ["--early_stop=acc"]):
+        assert "error" in run_script("train_ar.py", *args, ok=False)
+
+
+@pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2", "hedgehog_exp"] + NAMES)
+def test_every_attention_trains_in_the_ar_model(name, torch_path):
+    """train_ar.py's model and names (its variants included): a few steps on one batch lower the loss."""
+    fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))
+    torch.manual_seed(0)
+    model = train_ar.ARModel(fmap_name, **kw)
+    x, y = train_ar.make_h3_data(16, seq_len=124, seed=0)  # 126 positions
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+
+def test_train_ar_divergence_is_recorded_and_fails(tmp_path):
+    err = run_script("train_ar.py", "--attentions=softmax", "--num_train=64", "--num_test=8", "--seq_len=16", "--epochs=1",
+                     "--lr=1e9", "--workers=1", "--plots=false", f"--out_dir={tmp_path}", ok=False)
+    assert "1 run(s) stopped on a non-finite loss" in err, err
+    assert "step" in json.load(open(tmp_path / "ar.json"))[0]["stopped"]
+
+
+def test_plot_ar_merges_runs_made_apart(tmp_path):
+    """Seeds trained in one run, split into two files and merged by plot_ar.py, give that run's own
+    table, with the mean and spread over both seeds; files of another experiment, a run twice, or a
+    file that is not an ar.json are refused in one line."""
+    run_script("train_ar.py", "--attentions=softmax,elu", "--seeds=0,1", "--num_train=64", "--num_test=16",
+               "--seq_len=16", "--epochs=1", "--workers=1", "--plots=false", f"--out_dir={tmp_path}")
+    records = json.load(open(tmp_path / "ar.json"))
+    for seed in (0, 1):
+        json.dump([r for r in records if r["seed"] == seed], open(tmp_path / f"seed{seed}.json", "w"))
+    merged = tmp_path / "merged"
+    run_script("plot_ar.py", f"--runs={tmp_path / 'seed0.json'},{tmp_path / 'seed1.json'}", f"--out_dir={merged}")
+    table = (merged / "ar_summary.txt").read_text()
+    assert table == (tmp_path / "ar_summary.txt").read_text()
+    softmax = torch.tensor([r["test_acc"] for r in records if r["attention"] == "softmax"], dtype=torch.float64)
+    assert f"{softmax.mean():.3f} ± {softmax.std():.3f}" in table.splitlines()[1]
+    assert (merged / "ar_entropy.png").exists() and (merged / "ar_curves.png").exists()
+
+    other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
+    json.dump(other, open(tmp_path / "other.json", "w"))
+    json.dump({"rows": []}, open(tmp_path / "kernel.json", "w"))
+    for runs, message in ([("seed0", "other"), "trained with different settings: lr=0.003 against lr=1.0"],
+                          [("seed0", "seed0"), "softmax F=64 seed 0 is in both"],
+                          [("kernel",), "is not an ar.json of train_ar.py"],
+                          [("missing",), "cannot read"]):
+        err = run_script("plot_ar.py", "--runs=" + ",".join(str(tmp_path / f"{n}.json") for n in runs),
+                         f"--out_dir={tmp_path / 'refused'}", ok=False)
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "refused").exists()
