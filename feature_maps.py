@@ -140,8 +140,8 @@ class Relu(FeatureMap):
 
 
 class Exp(FeatureMap):
-    """phi_t(x) = exp(t x) element-wise (Hedgehog Table 2). F = D. t = 1 fails associative recall,
-    t = 2 solves it (Sec. 3.2).
+    """phi_t(x) = exp(t x) element-wise (Hedgehog Table 2). F = D. In the paper t = 1 fails
+    associative recall and t = 2 solves it (Sec. 3.2).
 
     When q and k come from learned, unnormalised projections, exp(t W x) = exp((t W) x): t only rescales
     the initialisation and the learning rate of W. normalize=True makes t a temperature: q and k are
@@ -427,8 +427,6 @@ class OAL(FeatureMap):
         lam = L[torch.arange(H, device=q.device)[:, None], self.groups + 1].transpose(1, 2) / math.sqrt(D)  # (H, G+1, D)
         return q, k, lam, L[:, 0], torch.full((H,), self.eps, dtype=q.dtype, device=q.device)
 
-
-# ----------------------------------------------------------------------------------------------
 
 class Quadratic(OAL):
     """The learned global quadratic kernel a + b s + c s^2 = eps + ||[1, s] L||^2 (OAL Sec. 2, App. D): OAL with one group."""
