@@ -79,7 +79,7 @@ target_acc = 0.99  # stop when the per-epoch accuracy (on the first 500 test seq
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
 seeds = "0"  # comma-separated; more than one reports mean and spread
 device = "auto"  # auto: cuda, then mps, then cpu
-workers = 0  # CPU only: runs in parallel, one thread each; 0 = one per core
+workers = 0  # runs in parallel, in processes of one thread each; 0 = one per core on the CPU, one on a GPU
 out_dir = "results"
 plots = True
 # -----------------------------------------------------------
@@ -381,8 +381,8 @@ def main(cfg):
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     data = make_data(cfg)
     jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
-    workers = 1 if dev != "cpu" else min(len(jobs), cfg["workers"] or os.cpu_count() or 1)
-    if workers > 1:  # small models use cores better as separate one-thread processes than as threads
+    workers = min(len(jobs), cfg["workers"] or ((os.cpu_count() or 1) if dev == "cpu" else 1))
+    if workers > 1:  # small models use cores better as one-thread processes than as threads, and a GPU's idle time
         print(f"training {len(jobs)} runs in {workers} processes of one thread each")
         with torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,)) as pool:
             records = pool.starmap(train_one, jobs, chunksize=1)
