@@ -97,16 +97,17 @@ def plot_lookup(plt, records, out_dir):
 
 
 def plot_curves(plt, records, out_dir):
-    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max."""
+    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max.
+    A seed that stopped early keeps its last accuracy to the end of the longest one."""
     F0 = records[0]["features_asked"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for j, name in enumerate(names_in(records)):
         curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
         if not curves:
             continue
-        n = min(len(c) for c in curves)  # early stopping can end some seeds sooner
-        steps = [s for s, _ in curves[0][:n]]
-        accs = torch.tensor([[a for _, a in c[:n]] for c in curves])  # (seeds, n)
+        longest = max(curves, key=len)
+        steps = [s for s, _ in longest]
+        accs = torch.tensor([[a for _, a in c] + [c[-1][1]] * (len(longest) - len(c)) for c in curves])  # (seeds, n)
         ax.plot(steps, accs.mean(0), color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
         ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
     ax.set(xlabel="training step", ylabel="test accuracy (500 sequences)", title="Associative recall: learning speed")
