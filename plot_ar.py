@@ -163,23 +163,25 @@ def load(paths):
                 got = json.load(f)
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: cannot read {path}: {e}")
-        if not (isinstance(got, list) and got and all(isinstance(r, dict) and "attention" in r and "seed" in r for r in got)):
+        if not (isinstance(got, list) and got and all(isinstance(r, dict) and {"attention", "seed"} <= r.keys()
+                                                      and ("config" in r or "stopped" in r) for r in got)):
             raise SystemExit(f"error: {path} is not an ar.json of train_ar.py (a list of run records)")
         for r in got:
             if "stopped" in r:
                 print(f"{path}: {r['attention']} seed {r['seed']} stopped ({r['stopped']}): left out")
                 continue
-            key = (r["attention"], r["features"], r["seed"])
-            if key in seen:
-                raise SystemExit(f"error: {r['attention']} F={r['features']} seed {r['seed']} is in both {seen[key]} and {path}")
-            seen[key] = path
             cfg = {k: v for k, v in r["config"].items() if k not in FREE}
             if settings is None:
                 settings = (cfg, path)
             elif cfg != settings[0]:
-                k = next(k for k in sorted(cfg.keys() | settings[0].keys()) if cfg.get(k) != settings[0].get(k))
+                said = lambda c, k: f"{k}={c[k]!r}" if k in c else f"{k} not recorded"
+                k = next(k for k in sorted(cfg.keys() | settings[0].keys()) if said(cfg, k) != said(settings[0], k))
                 raise SystemExit(f"error: {settings[1]} and {path} were trained with different settings: "
-                                 f"{k}={settings[0].get(k)!r} against {k}={cfg.get(k)!r}")
+                                 f"{said(settings[0], k)} against {said(cfg, k)}")
+            key = (r["attention"], r["features"], r["seed"])
+            if key in seen:
+                raise SystemExit(f"error: {r['attention']} F={r['features']} seed {r['seed']} is in both {seen[key]} and {path}")
+            seen[key] = path
             records.append(r)
     if not records:
         raise SystemExit(f"error: no finished runs in {', '.join(paths)}")
