@@ -190,6 +190,22 @@ def test_train_ar_early_stopping_watches_the_test_loss():
     assert record["test_loss_per_epoch"] == pytest.approx([loss] * 3, rel=1e-6)
 
 
+@pytest.mark.parametrize("rule,epochs", [("loss", 6), ("accuracy", 3)])
+def test_train_ar_early_stopping_tells_the_rules_apart(rule, epochs, monkeypatch):
+    """An evaluation whose loss falls every time while its accuracy stays put: the loss rule never runs
+    out of patience (all 6 epochs), the accuracy rule stops after epoch 1 + patience 2."""
+    calls = []
+
+    def scripted(model, inputs, labels, batch=500):
+        calls.append(None)
+        return 0.5, 1.0 / len(calls)
+
+    monkeypatch.setattr(train_ar, "evaluate", scripted)
+    data = (*train_ar.make_ar_data(32, seq_len=9, seed=1), *train_ar.make_ar_data(8, seq_len=9, seed=2))
+    cfg = dict(train_ar.config, epochs=6, batch_size=32, eval_every=1000, target_acc=2.0, patience=2, early_stop=rule)
+    assert train_ar.train_one("softmax", 8, 0, data, cfg, "cpu")["epochs"] == epochs
+
+
 def test_scripts_reject_unknown_settings():
     for args in (["--epoch=3"], ["--epochs=three"], ["--attentions=softmax,nope"], ["--early_stop=acc"]):
         assert "error" in run_script("train_ar.py", *args, ok=False)

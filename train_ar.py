@@ -276,7 +276,8 @@ def train_one(attention, features, seed, data, cfg, dev):
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
     acc_per_epoch, loss_per_epoch, best, since_best = [], [], float("inf"), 0
-    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_test[:500], y_test[:500])[0])]
+    x_val, y_val = x_test[:500], y_test[:500]  # a quarter of the test set: cheap enough for every epoch and the curves
+    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_val, y_val)[0])]
     for epoch in range(1, cfg["epochs"] + 1):
         total = 0.0
         perm = torch.randperm(len(x_train), generator=g)
@@ -295,10 +296,10 @@ def train_one(attention, features, seed, data, cfg, dev):
             total += loss.item() * len(idx)
             step += 1
             if step % cfg["eval_every"] == 0:
-                curve.append((step, evaluate(model, x_test[:500], y_test[:500])[0]))
+                curve.append((step, evaluate(model, x_val, y_val)[0]))
         if name == "oal" and epoch == 1:
             regroup_oal(model, x_train[:256])
-        acc, test_loss = evaluate(model, x_test[:500], y_test[:500])  # a quarter of the test set: cheap enough every epoch
+        acc, test_loss = evaluate(model, x_val, y_val)
         acc_per_epoch.append(acc)
         loss_per_epoch.append(test_loss)
         watched = test_loss if cfg["early_stop"] == "loss" else -acc  # lower is better; warm-up epochs do not count
