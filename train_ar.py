@@ -32,7 +32,7 @@ config/ar_h3.py is that whole published recipe.
     python train_ar.py --seeds=0,1,2 --attentions=softmax,exp_norm_t1,exp_norm_t2,exp_norm_t4
     python train_ar.py --features=8,16,32,64,128 --attentions=softmax,elu,exp_t2,hedgehog,taylor \\
         --seeds=0,1,2 --out_dir=results/ar_capacity      # accuracy against state size
-    python train_ar.py config/ar_h3.py                    # the published recipe (a GPU job in full)
+    python train_ar.py config/ar_h3.py --d_model=64       # the published recipe, 64 wide (see the config)
 
 Writes out_dir/ar.json, one record per run, then plot_ar.report's table (ar_summary.txt) and figures:
 accuracy against the retrieval head's entropy (Fig. 4), its query row on one sequence (Fig. 2), the
