@@ -53,7 +53,9 @@ def test_h3_data_is_the_published_format():
 
 def test_answer_positions_and_the_retrieval_head():
     """answer_positions against a scan; lookup_stats on a stub whose layer 1, head 0 puts all its weight
-    on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each."""
+    on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each.
+    The weight on the previous token: 1 for a head that only looks there (layer 1, head 1), and the mean
+    of 1/(i + 1) over positions i >= 1 for a uniform head."""
     x, _ = train_ar.make_ar_data(6, seed=5)
     target = train_ar.answer_positions(x)
     for row, mask in zip(x.tolist(), target.tolist()):
@@ -66,12 +68,17 @@ def test_answer_positions_and_the_retrieval_head():
             spiky = uniform.clone().expand(N, T, T).clone()
             spiky[:, -1] = target / target.sum(-1, keepdim=True)
             w0 = uniform.expand(N, 2, T, T)
-            w1 = torch.stack([spiky, uniform.expand(N, T, T)], 1)  # (N, 2, T, T)
+            previous = torch.eye(T).roll(-1, 1).tril().expand(N, T, T).clone()  # row i: all on i - 1
+            previous[:, 0, 0] = 1
+            w1 = torch.stack([spiky, previous], 1)  # (N, 2, T, T)
             return None, [w0, w1]
 
-    mass, ent, rows = train_ar.lookup_stats(Stub(), x)
+    mass, ent, rows, prev = train_ar.lookup_stats(Stub(), x)
     count = target.sum(-1).double()
-    assert mass.shape == ent.shape == (2, 2) and rows.shape == (2, 2, N, T)
+    assert mass.shape == ent.shape == prev.shape == (2, 2) and rows.shape == (2, 2, N, T)
+    assert abs(prev[1, 1] - 1) < 1e-6
+    uniform_prev = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)
+    assert abs(prev[0, 0] - uniform_prev) < 1e-6 and abs(prev[0, 1] - uniform_prev) < 1e-6
     assert mass.argmax().item() == 2 and abs(mass[1, 0] - 1) < 1e-6
     assert abs(ent[1, 0] - count.log().mean()) < 1e-5
     assert abs(mass[0, 0] - (count / T).mean()) < 1e-6 and abs(ent[0, 1] - math.log(T)) < 1e-5

@@ -233,13 +233,16 @@ def answer_positions(x):
 def lookup_stats(model, x):
     """Where each layer and head looks from the query (the last position) of sequences x (N, T).
     Returns target_mass (L, H), the mean weight on answer_positions; entropy (L, H), the mean entropy
-    of the query row in nats; rows (L, H, N, T), the query rows."""
+    of the query row in nats; rows (L, H, N, T), the query rows; prev (L, H), the mean weight that a
+    position puts on the one before it over every position but the first (the previous-token head
+    that an induction head needs when there is no token shift)."""
     model.eval()
     _, weights = model(x, return_weights=True)  # L x (N, H, T, T)
     model.train()
     rows = torch.stack([w[:, :, -1] for w in weights]).transpose(1, 2).float().cpu()  # (L, H, N, T)
     mass = (rows * answer_positions(x).cpu()).sum(-1).mean(-1)  # (L, H)
-    return mass, entropy(rows).mean(-1), rows
+    prev = torch.stack([w.diagonal(-1, -2, -1).float().mean((0, 2)) for w in weights]).cpu()  # (L, H): w[i, i-1]
+    return mass, entropy(rows).mean(-1), rows, prev
 
 
 @torch.inference_mode()
@@ -275,7 +278,7 @@ def train_one(attention, features, seed, data, cfg, dev):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
-    acc_per_epoch, loss_per_epoch, best, since_best = [], [], float("inf"), 0
+    acc_per_epoch, loss_per_epoch, mass_per_epoch, prev_per_epoch, best, since_best = [], [], [], [], float("inf"), 0
     x_val, y_val = x_test[:500], y_test[:500]  # a quarter of the test set: cheap enough for every epoch and the curves
     t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_val, y_val)[0])]
     for epoch in range(1, cfg["epochs"] + 1):
@@ -302,15 +305,20 @@ def train_one(attention, features, seed, data, cfg, dev):
         acc, test_loss = evaluate(model, x_val, y_val)
         acc_per_epoch.append(acc)
         loss_per_epoch.append(test_loss)
+        mass, _, _, prev = lookup_stats(model, x_val[:100])  # how the two heads the lookup needs are forming
+        mass_per_epoch.append(mass.tolist())
+        prev_per_epoch.append(prev.tolist())
         watched = test_loss if cfg["early_stop"] == "loss" else -acc  # lower is better; warm-up epochs do not count
         best, since_best = (watched, 0) if watched < best else (best, since_best + (step > warm))
         print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
-              f"test loss {test_loss:.3f}, test acc {acc:.3f}, {time.time() - t0:.0f}s", flush=True)
+              f"test loss {test_loss:.3f}, test acc {acc:.3f}, {time.time() - t0:.0f}s | weight on the previous token "
+              f"{'/'.join(f'{p:.2f}' for p in prev.amax(1).tolist())} (best head of each layer), "
+              f"on the answer {mass.max():.2f}", flush=True)
         if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
                 or 0 < cfg["patience"] <= since_best):
             break
     seconds = time.time() - t0
-    mass, ent, rows = lookup_stats(model, x_test[:200])
+    mass, ent, rows, prev = lookup_stats(model, x_test[:200])
     if not (mass.isfinite().all() and ent.isfinite().all()):  # finite losses, but weights too large for a forward
         print(f"{attention} F={F_} seed {seed}: the attention weights are not finite after step {step} "
               f"(try a lower --lr, now {cfg['lr']})", flush=True)
@@ -321,11 +329,12 @@ def train_one(attention, features, seed, data, cfg, dev):
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
             "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),
             "retrieval_layer": layer, "retrieval_head": head,
-            "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(),
+            "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(), "prev_mass_per_head": prev.tolist(),
             "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
             "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step,
-            "test_acc_per_epoch": acc_per_epoch, "test_loss_per_epoch": loss_per_epoch, "curve": curve, "steps_to_50": steps_to(curve, 0.5),
-            "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
+            "test_acc_per_epoch": acc_per_epoch, "test_loss_per_epoch": loss_per_epoch,
+            "target_mass_per_epoch": mass_per_epoch, "prev_mass_per_epoch": prev_per_epoch, "curve": curve,
+            "steps_to_50": steps_to(curve, 0.5), "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
 
 
 def steps_to(curve, level):
