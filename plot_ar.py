@@ -13,7 +13,8 @@ seeds and feature sizes asked, and where they ran), and each (attention, F, seed
 The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
 The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
 Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig. 2), ar_curves.png
-(accuracy against training steps) and, when F varies, ar_capacity.png (Zoology Fig. 2).
+(accuracy against training steps), ar_heads.png (the previous-token and answer heads forming, epoch by
+epoch) and, when F varies, ar_capacity.png (Zoology Fig. 2).
 """
 import json
 import os
@@ -116,6 +117,27 @@ def plot_curves(plt, records, out_dir):
     fig.savefig(os.path.join(out_dir, "ar_curves.png"), dpi=120)
 
 
+def plot_heads(plt, records, out_dir):
+    """The two heads of the lookup forming, epoch by epoch, at the first F asked (mean over seeds; runs
+    recorded before train_ar.py kept these are left out): the most weight any head puts on the
+    previous token, and on the answer. A seed that stopped early keeps its last value."""
+    F0 = records[0]["features_asked"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for j, name in enumerate(names_in(records)):
+        for ax, key in zip(axes, ("prev_mass_per_epoch", "target_mass_per_epoch")):
+            runs = [[max(map(max, epoch)) for epoch in r[key]] for r in records
+                    if r["attention"] == name and r["features_asked"] == F0 and key in r]
+            if runs:
+                n = max(map(len, runs))
+                best = torch.tensor([run + run[-1:] * (n - len(run)) for run in runs]).mean(0)  # (epochs,)
+                ax.plot(range(1, n + 1), best, color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
+    axes[0].set(xlabel="epoch", ylabel="weight", title="on the previous token (best head)")
+    axes[1].set(xlabel="epoch", title="on the answer, from the query (best head)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_heads.png"), dpi=120)
+
+
 def plot_capacity(plt, records, out_dir):
     """Zoology Fig. 2: accuracy against the state size of one layer, mean over seeds and min-max bars."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -148,6 +170,8 @@ def report(records, out_dir, plots=True):
         plot_entropy(plt, records, out_dir)
         plot_lookup(plt, records, out_dir)
         plot_curves(plt, records, out_dir)
+        if any("prev_mass_per_epoch" in r for r in records):
+            plot_heads(plt, records, out_dir)
         if len({r["features_asked"] for r in records}) > 1:
             plot_capacity(plt, records, out_dir)
         print(f"figures: {out_dir}/ar_*.png")

@@ -149,8 +149,10 @@ def test_train_ar_smoke(tmp_path):
         assert r["params"] == sum(p.numel() for p in train_ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
         assert AR_FIELDS <= set(r) and 0 <= r["test_acc"] <= 1 and 0 < r["retrieval_entropy"] <= math.log(127)
         assert 0 <= r["target_mass"] <= 1 and len(r["query_row"]) == 127
+        assert len(r["prev_mass_per_epoch"]) == len(r["target_mass_per_epoch"]) == 3  # (epochs, layers, heads)
+        assert torch.tensor(r["prev_mass_per_epoch"]).shape[1:] == torch.tensor(r["prev_mass_per_head"]).shape == (2, 1)
     assert {r["features"] for r in records} == {64, 66}
-    for png in ("ar_entropy", "ar_lookup", "ar_curves"):
+    for png in ("ar_entropy", "ar_lookup", "ar_curves", "ar_heads"):
         assert (tmp_path / f"{png}.png").exists()
 
 

@@ -18,7 +18,9 @@ What the default holds equal, so that the comparison is about spikiness:
   attention row (the query's) finds the answer by looking at the positions right after earlier copies
   of the query key; without it, an induction circuit looks at the same positions. The retrieval head
   is the layer and head whose query row puts the most weight there (target_mass); its entropy is the
-  spikiness that matters, not an average over heads that do other things.
+  spikiness that matters, not an average over heads that do other things. The induction circuit also
+  needs a head that looks at the previous token; each epoch records every head's weight there and on
+  the answer, so a run shows when the two form.
 - Temperature. With learned projections exp(t W x) = exp((t W) x), so exp_t1 and exp_t2 differ only
   in initial scale. exp_norm_t* L2-normalises q and k first (feature_maps.Exp), which bounds each
   kernel term to [e^-2t, e^2t]: there t really sets how peaked a row can be.
