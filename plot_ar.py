@@ -97,6 +97,12 @@ def plot_lookup(plt, records, out_dir):
     fig.savefig(os.path.join(out_dir, "ar_lookup.png"), dpi=120)
 
 
+def padded(runs):
+    """Runs of unequal length as one (runs, longest) tensor: a run that stopped early keeps its last value."""
+    n = max(map(len, runs))
+    return torch.tensor([run + run[-1:] * (n - len(run)) for run in runs])
+
+
 def plot_curves(plt, records, out_dir):
     """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max.
     A seed that stopped early keeps its last accuracy to the end of the longest one."""
@@ -106,9 +112,8 @@ def plot_curves(plt, records, out_dir):
         curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
         if not curves:
             continue
-        longest = max(curves, key=len)
-        steps = [s for s, _ in longest]
-        accs = torch.tensor([[a for _, a in c] + [c[-1][1]] * (len(longest) - len(c)) for c in curves])  # (seeds, n)
+        steps = [s for s, _ in max(curves, key=len)]
+        accs = padded([[a for _, a in c] for c in curves])  # (seeds, n)
         ax.plot(steps, accs.mean(0), color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
         ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
     ax.set(xlabel="training step", ylabel="test accuracy (500 sequences)", title="Associative recall: learning speed")
@@ -120,7 +125,7 @@ def plot_curves(plt, records, out_dir):
 def plot_heads(plt, records, out_dir):
     """The two heads of the lookup forming, epoch by epoch, at the first F asked (mean over seeds; runs
     recorded before train_ar.py kept these are left out): the most weight any head puts on the
-    previous token, and on the answer. A seed that stopped early keeps its last value."""
+    previous token, and on the answer."""
     F0 = records[0]["features_asked"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for j, name in enumerate(names_in(records)):
@@ -128,9 +133,8 @@ def plot_heads(plt, records, out_dir):
             runs = [[max(map(max, epoch)) for epoch in r[key]] for r in records
                     if r["attention"] == name and r["features_asked"] == F0 and key in r]
             if runs:
-                n = max(map(len, runs))
-                best = torch.tensor([run + run[-1:] * (n - len(run)) for run in runs]).mean(0)  # (epochs,)
-                ax.plot(range(1, n + 1), best, color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
+                best = padded(runs).mean(0)  # (epochs,)
+                ax.plot(range(1, len(best) + 1), best, color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
     axes[0].set(xlabel="epoch", ylabel="weight", title="on the previous token (best head)")
     axes[1].set(xlabel="epoch", title="on the answer, from the query (best head)")
     axes[1].legend(fontsize=7, ncol=2)
