@@ -161,10 +161,10 @@ def save_checkpoint(ckpt, path):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, dev, attention=None, hint=""):
-    """A train_gpt.py checkpoint (a dict with kind "train_gpt"), optionally of a given attention, or a
-    one-line error that says why not (missing, unreadable, another kind of file, another attention),
-    followed by hint (what to do instead)."""
+def load_checkpoint(path, dev, attention=None, hint="", kind="train_gpt"):
+    """A checkpoint of `kind` (a dict with that "kind": the script that wrote it, train_gpt or train_ar),
+    optionally of a given attention, or a one-line error that says why not (missing, unreadable, another
+    kind of file, another attention), followed by hint (what to do instead)."""
     if not os.path.exists(path):
         raise SystemExit(f"error: no checkpoint at {path}{hint}")
     try:
@@ -172,9 +172,9 @@ def load_checkpoint(path, dev, attention=None, hint=""):
     except Exception as e:  # a truncated zip, a file that is not a torch.save, a pickle of missing classes
         raise SystemExit(f"error: {path} cannot be read, it is truncated or not a checkpoint "
                          f"({type(e).__name__}: {str(e).split('. ')[0][:100]}){hint}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("kind") != "train_gpt":
-        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint{hint}")
+    if not isinstance(ckpt, dict) or ckpt.get("kind") != kind:
+        raise SystemExit(f"error: {path} is not a {kind}.py checkpoint{hint}")
     if attention is not None and ckpt["model_args"].get("attention") != attention:
-        raise SystemExit(f"error: {path} is not a train_gpt.py checkpoint of a {attention} GPT "
+        raise SystemExit(f"error: {path} is not a {kind}.py checkpoint of a {attention} model "
                          f"(it has {ckpt['model_args'].get('attention')}){hint}")
     return ckpt

@@ -182,6 +182,23 @@ def test_train_ar_max_minutes_stops_after_the_epoch():
         assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
 
 
+def test_train_ar_saves_models_that_load_back(tmp_path):
+    """--save_models writes each run's final model; load_model rebuilds it with its map's settings (exp_t2's
+    t = 2), so the loaded model gives the run's own recorded attention weights. Another kind of file is a
+    one-line error."""
+    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(200, seed=2))
+    cfg = dict(train_ar.config, epochs=1, batch_size=32, target_acc=2.0, save_models=True, out_dir=str(tmp_path))
+    record = train_ar.train_one("exp_t2", 16, 3, data, cfg, "cpu")
+    model = train_ar.load_model(tmp_path / "model_exp_t2_F16_seed3.pt")
+    mass, ent, _, prev = train_ar.lookup_stats(model, data[2][:200])
+    assert mass.tolist() == record["target_mass_per_head"] and prev.tolist() == record["prev_mass_per_head"]
+    assert ent.tolist() == record["entropy_per_head"]
+    assert train_ar.evaluate(model, data[2], data[3])[0] == record["test_acc"]
+    torch.save({"kind": "train_gpt"}, tmp_path / "gpt.pt")
+    with pytest.raises(SystemExit, match="is not a train_ar.py checkpoint"):
+        train_ar.load_model(tmp_path / "gpt.pt")
+
+
 def test_train_ar_early_stopping_watches_the_test_loss():
     """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
     loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3,

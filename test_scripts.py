@@ -265,7 +265,7 @@ def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
     torch.save({"kind": "something else"}, tmp_path / "bad.pt")
     assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
     torch.save({"kind": "train_gpt", "model_args": {"attention": "hedgehog"}}, tmp_path / "linear.pt")
-    assert "not a train_gpt.py checkpoint of a softmax GPT" in run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
+    assert "not a train_gpt.py checkpoint of a softmax model" in run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
 
 
 @needs_tokenizer

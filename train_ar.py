@@ -39,7 +39,8 @@ config/ar_h3.py is that whole published recipe.
 Writes out_dir/ar.json, one record per run, then plot_ar.report's table (ar_summary.txt) and figures:
 accuracy against the retrieval head's entropy (Fig. 4), its query row on one sequence (Fig. 2), the
 learning curves and, when `features` sweeps, accuracy against state size. plot_ar.py redraws them from
-saved files and merges runs made at different times.
+saved files and merges runs made at different times. With --save_models=true each run's final model
+goes to out_dir too; load_model reads it back for a closer look.
 """
 import json
 import os
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from attention import Block, entropy
 from configurator import at_least, choices, configure, integers, pick_device, positive
 from feature_maps import FEATURE_MAPS, make_feature_map
+from gpt import load_checkpoint, save_checkpoint
 from plot_ar import report
 
 # ---- config: plain values, override with --key=value or a config file ----
@@ -84,6 +86,7 @@ device = "auto"  # auto: cuda, then mps, then cpu
 workers = 0  # runs in parallel, in processes of one thread each; 0 = one per core on the CPU, one on a GPU
 out_dir = "results"
 plots = True
+save_models = False  # also write each run's final model to out_dir/model_<attention>_F<F>_seed<seed>.pt (load_model)
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
@@ -271,8 +274,10 @@ def train_one(attention, features, seed, data, cfg, dev):
     qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
     F_ = feature_size(name, qk_dim, kw)
     torch.manual_seed(seed)
-    model = ARModel(name, cfg["vocab_size"], T, cfg["n_layer"], cfg["d_model"], cfg["n_head"], cfg["mlp_ratio"],
-                    cfg["token_shift"], qk_dim, cfg["dropout"], **kw).to(dev)
+    model_args = dict(attention=name, vocab_size=cfg["vocab_size"], seq_len=T, n_layer=cfg["n_layer"],
+                      d_model=cfg["d_model"], n_head=cfg["n_head"], mlp_ratio=cfg["mlp_ratio"],
+                      token_shift=cfg["token_shift"], qk_dim=qk_dim, dropout=cfg["dropout"], **kw)
+    model = ARModel(**model_args).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     steps_per_epoch = -(-len(x_train) // cfg["batch_size"])
     total_steps = cfg["epochs"] * steps_per_epoch
@@ -326,6 +331,9 @@ def train_one(attention, features, seed, data, cfg, dev):
               f"(try a lower --lr, now {cfg['lr']})", flush=True)
         return {"attention": attention, "seed": seed, "features": F_, "stopped": f"non-finite attention after step {step}"}
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
+    if cfg["save_models"]:
+        save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "epochs": epoch,
+                         "run": attention}, os.path.join(cfg["out_dir"], f"model_{attention}_F{F_}_seed{seed}.pt"))
     return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test)[0],
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
@@ -337,6 +345,14 @@ def train_one(attention, features, seed, data, cfg, dev):
             "test_acc_per_epoch": acc_per_epoch, "test_loss_per_epoch": loss_per_epoch,
             "target_mass_per_epoch": mass_per_epoch, "prev_mass_per_epoch": prev_per_epoch, "curve": curve,
             "steps_to_50": steps_to(curve, 0.5), "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
+
+
+def load_model(path, dev="cpu"):
+    """The ARModel that a run with --save_models=true wrote to path, in eval mode."""
+    ckpt = load_checkpoint(path, dev, kind="train_ar")
+    model = ARModel(**ckpt["model_args"]).to(dev)
+    model.load_state_dict(ckpt["model"])
+    return model.eval()
 
 
 def steps_to(curve, level):
@@ -391,6 +407,7 @@ def main(cfg):
     seeds, sizes = integers(cfg, "seeds"), integers(cfg, "features")
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
+    os.makedirs(cfg["out_dir"], exist_ok=True)
     data = make_data(cfg)
     jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
     workers = min(len(jobs), cfg["workers"] or ((os.cpu_count() or 1) if dev == "cpu" else 1))
@@ -402,7 +419,6 @@ def main(cfg):
         records = [train_one(*job) for job in jobs]
     stopped = [r for r in records if "stopped" in r]
     records = [r for r in records if "stopped" not in r]
-    os.makedirs(cfg["out_dir"], exist_ok=True)
     path = os.path.join(cfg["out_dir"], "ar.json")
     for r in records:
         r.update(device=dev, torch=torch.__version__, config=cfg)
