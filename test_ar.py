@@ -189,7 +189,8 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
     data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(200, seed=2))
     cfg = dict(train_ar.config, epochs=1, batch_size=32, target_acc=2.0, save_models=True, out_dir=str(tmp_path))
     record = train_ar.train_one("exp_t2", 16, 3, data, cfg, "cpu")
-    model = train_ar.load_model(tmp_path / "model_exp_t2_F16_seed3.pt")
+    model, ckpt = train_ar.load_model(tmp_path / "model_exp_t2_F16_seed3.pt")
+    assert ckpt["config"] == cfg and ckpt["epochs"] == 1
     mass, ent, _, prev = train_ar.lookup_stats(model, data[2][:200])
     assert mass.tolist() == record["target_mass_per_head"] and prev.tolist() == record["prev_mass_per_head"]
     assert ent.tolist() == record["entropy_per_head"]

@@ -332,8 +332,9 @@ def train_one(attention, features, seed, data, cfg, dev):
         return {"attention": attention, "seed": seed, "features": F_, "stopped": f"non-finite attention after step {step}"}
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
     if cfg["save_models"]:
-        save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "epochs": epoch,
-                         "run": attention}, os.path.join(cfg["out_dir"], f"model_{attention}_F{F_}_seed{seed}.pt"))
+        save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "config": cfg,
+                         "run": attention, "seed": seed, "epochs": epoch},
+                        os.path.join(cfg["out_dir"], f"model_{attention}_F{F_}_seed{seed}.pt"))
     return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test)[0],
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
@@ -348,11 +349,12 @@ def train_one(attention, features, seed, data, cfg, dev):
 
 
 def load_model(path, dev="cpu"):
-    """The ARModel that a run with --save_models=true wrote to path, in eval mode."""
+    """(model, checkpoint): the ARModel that a run with --save_models=true wrote to path, in eval mode, and
+    the rest of what it saved (its config, so make_data(ckpt["config"]) gives its data)."""
     ckpt = load_checkpoint(path, dev, kind="train_ar")
     model = ARModel(**ckpt["model_args"]).to(dev)
     model.load_state_dict(ckpt["model"])
-    return model.eval()
+    return model.eval(), ckpt
 
 
 def steps_to(curve, level):
