@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import configurator
+import probe_ar
 import feature_maps as fm
 import train_ar
 from attention import attention_weights
@@ -198,6 +199,49 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
     torch.save({"kind": "train_gpt"}, tmp_path / "gpt.pt")
     with pytest.raises(SystemExit, match="is not a train_ar.py checkpoint"):
         train_ar.load_model(tmp_path / "gpt.pt")
+
+
+def test_probe_ar_measures_what_it_says(tmp_path):
+    """probe_ar.py on a saved model: the offsets are layer 0's own weights d back (a loop over the weights
+    here), the "previous token" truncation is a forward pass written out by hand with layer 0 mixing only
+    v[i - 1], a full band leaves the weights as they are, the first-occurrence bins count every sequence,
+    and the probe reads the own key (and nothing older) exactly when layer 0 is that previous-token copy."""
+    cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
+               token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
+               out_dir=str(tmp_path))
+    data = train_ar.make_data(cfg)  # probe_ar.py makes the test set again from the saved config
+    train_ar.train_one("elu", 16, 0, data, cfg, "cpu")
+    path = str(tmp_path / "model_elu_F16_seed0.pt")
+    result = probe_ar.main(dict(probe_ar.config, model=path, num=120))
+    assert json.load(open(tmp_path / "probe_model_elu_F16_seed0.json"))["truncation"] == result["truncation"]
+    model, _ = train_ar.load_model(path)
+    x, y = data[2], data[3]
+    with torch.no_grad():
+        w0 = model(x, return_weights=True)[1][0][:, 0]  # (N, T, T)
+    rows = [i for i in range(x.shape[1]) if i % 2 == 1 and x.shape[1] // 2 <= i < 32]
+    for d in (0, 1, 5):
+        assert result["layer0"][d][0] == pytest.approx(sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows), rel=1e-5)
+    W = (torch.rand(2, 1, 6, 6) + 0.1).tril()
+    W = W / W.sum(-1, keepdim=True)  # every weight >= 0.1 / 6.6, so band's EPS moves them by < 1e-4
+    assert torch.allclose(probe_ar.band(W, 6), W, atol=1e-4)
+    assert torch.allclose(probe_ar.band(W, 1), torch.eye(6).expand_as(W), atol=1e-4)
+    two = probe_ar.band(W, 2)[0, 0]
+    assert torch.allclose(two[3, 2:4], W[0, 0, 3, 2:4] / W[0, 0, 3, 2:4].sum(), atol=1e-4) and two[3, :2].sum() == 0
+
+    assert result["truncation"]["as trained"] == train_ar.evaluate(model, x, y)[0]
+    block0, block1 = model.blocks
+    with torch.no_grad():  # layer 0 with only v[i - 1], by hand
+        h = model.embed(x)
+        _, _, v = block0.attn.heads(block0.ln1(h))  # (N, 1, T, C)
+        prev = torch.cat([v[:, :, :1], v[:, :, :-1]], 2)
+        h = h + block0.attn.o(prev.transpose(1, 2).flatten(2))
+        by_hand = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
+        block0.attn.mix = probe_ar.truncated_mix(block0.attn, lambda W: probe_ar.previous_token(x.shape[1]).expand_as(W))
+        assert torch.allclose(model(x)[:, -1], by_hand, atol=1e-5)
+    assert result["truncation"]["previous token"] == (by_hand.argmax(-1) == y[:, -1]).double().mean().item()
+    assert sum(n for n, _ in result["first_occurrence"].values()) == 120
+    planted = probe_ar.probe(model, x, 16, 9)  # layer 0 still the previous-token copy
+    assert planted[1] > 0.95 and planted[3] < 0.5 and planted[5] < 0.5, planted
 
 
 def test_train_ar_early_stopping_watches_the_test_loss():

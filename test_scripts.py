@@ -318,6 +318,9 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("decode.py", ["--attentions=foo"], "--attentions: unknown foo"),
     ("decode.py", ["--heads=0"], "--heads=0 is out of range"),
     ("bench_kernel.py", ["--lengths=1k"], "not a comma-separated list of integers"),
+    ("probe_ar.py", [], "give --model="),
+    ("probe_ar.py", ["--model=nope.pt"], "no checkpoint at nope.pt"),
+    ("probe_ar.py", ["--model=nope.pt", "--num=1"], "--num=1 is out of range"),
 ])
 def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
     err = run_script(script, *args, cwd=tmp_path, ok=False)

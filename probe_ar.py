@@ -1,0 +1,188 @@
+"""
+Where a trained associative-recall model finds the answer, from a model train_ar.py saved
+(--save_models=true).
+
+The lookup without token shift is an induction circuit (Hedgehog Sec. 3.2, App. B.1): layer 0 brings
+each key into the position of the value after it, and layer 1's query row (at the query key) matches
+it there and reads the value. train_ar.py records two numbers per epoch for it: layer 0's weight on
+the previous token, and layer 1's weight on the answer. Some linear runs reach 50-73% with the first
+no higher than a uniform row's. Four measurements say how:
+- offsets: the mean weight that layer 0 puts d tokens back (d = 0..16) from the value positions of the
+  second half of the sequence, where a uniform row gives each token under 1/64; and where layer 1's
+  query row lands relative to the answers (d = -2..4 around them);
+- truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
+  for w = 1, 2, 4, ..., when it is exactly the previous token, exactly uniform, or cut out;
+- first occurrence: test accuracy by the pair in which the query key first occurs. A lookup through
+  a previous-token head does not care; one through a running mean of the tokens so far, in which a
+  key's share is 1 / (its position + 1), works best when that pair comes early;
+- probe: how well a linear read-out of layer 1's input at the second half's value positions names the
+  key d tokens back (d = 1: its own key; d = 3, 5: the keys of the pairs before), fitted on half of
+  the test sequences and scored on the other half. Chance is one in the number of keys.
+
+    python probe_ar.py --model=results/ar_h3_zoology_256_elu_seed1_model/model_elu_F256_seed1.pt
+
+Prints the four tables and writes them to probe_<model name>.json beside the model.
+"""
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from attention import EPS, attention_weights
+from configurator import at_least, configure
+from train_ar import answer_positions, evaluate, load_model, make_data
+
+# ---- config: plain values, override with --key=value ----
+model = ""  # a model_*.pt that train_ar.py --save_models=true wrote
+num = 1000  # test sequences to look at (from the start of the run's own test set)
+# -----------------------------------------------------------
+config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
+WIDTHS = (1, 2, 4, 8, 16, 32)
+OFFSETS = range(17)
+AROUND = range(-2, 5)
+KEY_BACK = (1, 3, 5)
+FIRST = (0, 2, 4, 8, 16, 32, 64)  # bins of the pair index of the query key's first occurrence
+
+
+def value_rows(T, pairs):
+    """The value positions (odd, inside the pairs) of the sequence's second half: their key is 1 back."""
+    return torch.arange(T // 2 | 1, 2 * pairs, 2)
+
+
+@torch.no_grad()
+def offsets(model, x, pairs):
+    """{"layer0": mean weight d back (d in OFFSETS) from the second half's value positions, per head,
+    "uniform": what a uniform causal row gives there, "layer1_answer": layer 1's query row at the
+    answers' positions + d (d in AROUND), summed over the answers, per head}."""
+    _, weights = model.eval()(x, return_weights=True)  # L x (N, H, T, T)
+    rows = value_rows(x.shape[1], pairs)
+    w0 = weights[0][:, :, rows]  # (N, H, R, T)
+    back = [w0[:, :, torch.arange(len(rows)), rows - d].mean((0, 2)).tolist() for d in OFFSETS]  # d x (H,)
+    query = weights[-1][:, :, -1]  # (N, H, T): the last layer's query row
+    answers = answer_positions(x)  # (N, T)
+    around = []
+    for d in AROUND:
+        shifted = torch.zeros_like(answers)
+        if d >= 0:
+            shifted[:, d:] = answers[:, :answers.shape[1] - d]
+        else:
+            shifted[:, :d] = answers[:, -d:]
+        shifted[:, -1] = False  # the query itself
+        around.append((query * shifted[:, None]).sum(-1).mean(0).tolist())  # (H,)
+    return {"layer0": back, "uniform": (1.0 / (rows + 1)).mean().item(), "layer1_answer": around}
+
+
+def truncated_mix(attn, keep):
+    """A replacement for attn.mix whose weights are keep(W) (B, H, T, T) of the layer's own weights W."""
+    def mix(q, k, v):
+        w = keep(attention_weights(q, k, attn.fmap, True, EPS))
+        return (w @ v.float()).to(v.dtype)
+    return mix
+
+
+def band(w, width):
+    """w kept on the last `width` tokens (offsets 0 .. width - 1) and renormalised."""
+    T = w.shape[-1]
+    i = torch.arange(T)
+    near = (i[:, None] - i[None, :] < width) & (i[:, None] >= i[None, :])
+    w = w * near
+    return w / (w.sum(-1, keepdim=True) + EPS)
+
+
+def previous_token(T):
+    """(T, T) weights of an exact previous-token head: row i all on i - 1, the first row on itself."""
+    w = torch.zeros(T, T)
+    w[0, 0] = 1
+    w[torch.arange(1, T), torch.arange(T - 1)] = 1
+    return w
+
+
+@torch.no_grad()
+def truncation(model, x, y):
+    """Test accuracy with layer 0's weights as they are, on the last w tokens only, exactly the previous
+    token (offset 1; the first token keeps itself), exactly uniform, and with layer 0's attention cut."""
+    attn = model.blocks[0].attn
+    T = x.shape[1]
+    prev = previous_token(T)
+    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    variants = {"as trained": None, **{f"last {w}": (lambda W, w=w: band(W, w)) for w in WIDTHS},
+                "previous token": lambda W: prev.expand_as(W), "uniform": lambda W: uniform.expand_as(W),
+                "cut": lambda W: torch.zeros_like(W)}
+    accuracy = {}
+    for name, keep in variants.items():
+        if keep is not None:
+            attn.mix = truncated_mix(attn, keep)
+        accuracy[name] = evaluate(model, x, y)[0]
+        attn.__dict__.pop("mix", None)  # back to the class's mix
+    return accuracy
+
+
+@torch.no_grad()
+def by_first_occurrence(model, x, y, pairs):
+    """{"a-b": [sequences, test accuracy]} for the sequences whose query key first occurs in pairs a..b."""
+    first = (x[:, :2 * pairs:2] == x[:, -1:]).int().argmax(-1)  # (N,): the query is always in context
+    right = model.eval()(x)[:, -1].argmax(-1) == y[:, -1]
+    result = {}
+    for lo, hi in zip(FIRST, FIRST[1:]):
+        m = (first >= lo) & (first < min(hi, pairs))
+        if m.any():
+            result[f"{lo}-{min(hi, pairs) - 1}"] = [m.sum().item(), right[m].double().mean().item()]
+    return result
+
+
+@torch.no_grad()
+def probe(model, x, pairs, n_keys):
+    """{d: held-out accuracy of a least-squares linear read-out, from layer 1's input (after its layer
+    norm) at each value position, of the key d tokens back}."""
+    model.eval()  # evaluate() leaves it in training mode
+    h = model.blocks[0](model.embed(x))
+    h = model.blocks[1].ln1(h)  # (N, T, C)
+    half, rows = len(x) // 2, value_rows(x.shape[1], pairs)  # the same positions for every d
+    feats = F.pad(h[:, rows], (0, 1), value=1.0)  # (N, R, C + 1), with a bias
+    result = {}
+    for d in KEY_BACK:
+        target = x[:, rows - d]  # (N, R): keys, 0 .. n_keys - 1
+        fit = torch.linalg.lstsq(feats[:half].flatten(0, 1).double(),
+                                 F.one_hot(target[:half].flatten(), n_keys).double()).solution
+        guess = (feats[half:].flatten(0, 1).double() @ fit).argmax(-1)
+        result[d] = (guess == target[half:].flatten()).double().mean().item()
+    return result
+
+
+def main(cfg):
+    at_least(cfg, 2, "num")
+    if not cfg["model"]:
+        raise SystemExit("error: give --model=path/to/model_*.pt (train_ar.py --save_models=true writes them)")
+    net, ckpt = load_model(cfg["model"])
+    if len(net.blocks) < 2:
+        raise SystemExit(f"error: {cfg['model']} has one layer; the lookup needs two (train it with --n_layer=2)")
+    run = ckpt["config"]
+    _, _, x, y = make_data(run)
+    x, y = x[:cfg["num"]], y[:cfg["num"]]
+    pairs = run["seq_len"] // 2 if run["format"] == "h3" else (run["seq_len"] - 1) // 2
+    n_keys = (run["vocab_size"] - 2) // 2 if run["format"] == "h3" else run["vocab_size"] // 2
+    print(f"{ckpt['run']} seed {ckpt['seed']} after {ckpt['epochs']} epochs, {len(x)} test sequences")
+    result = {"model": cfg["model"], "run": ckpt["run"], "seed": ckpt["seed"], "epochs": ckpt["epochs"], "num": len(x),
+              **offsets(net, x, pairs), "truncation": truncation(net, x, y),
+              "first_occurrence": by_first_occurrence(net, x, y, pairs), "probe": probe(net, x, pairs, n_keys)}
+    print("layer 0, mean weight d tokens back from a value (second half; a uniform row gives "
+          f"{result['uniform']:.4f}):")
+    print("  " + "  ".join(f"{d}: {max(w):.3f}" for d, w in zip(OFFSETS, result["layer0"])))
+    print("layer 1, the query row's weight at the answers + d:")
+    print("  " + "  ".join(f"{d:+d}: {max(w):.3f}" for d, w in zip(AROUND, result["layer1_answer"])))
+    print("test accuracy with layer 0's attention " + ", ".join(f"{k}: {v:.3f}" for k, v in result["truncation"].items()))
+    print("test accuracy by the pair where the query key first occurs: "
+          + ", ".join(f"{k}: {acc:.3f} ({n})" for k, (n, acc) in result["first_occurrence"].items()))
+    print(f"linear probe of layer 1's input at a value for the key d back (chance {1 / n_keys:.3f}): "
+          + ", ".join(f"d = {d}: {a:.3f}" for d, a in result["probe"].items()))
+    path = os.path.join(os.path.dirname(cfg["model"]), f"probe_{os.path.basename(cfg['model'])[:-3]}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"saved {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main(configure(config))
