@@ -6,22 +6,22 @@ The lookup without token shift is an induction circuit (Hedgehog Sec. 3.2, App. 
 each key into the position of the value after it, and layer 1's query row (at the query key) matches
 it there and reads the value. train_ar.py records two numbers per epoch for it: layer 0's weight on
 the previous token, and layer 1's weight on the answer. Some linear runs reach 50-73% with the first
-no higher than a uniform row's. Four measurements say how:
+no higher than a uniform row's. Three measurements say how:
 - offsets: the mean weight that layer 0 puts d tokens back (d = 0..16) from the value positions of the
   second half of the sequence, where a uniform row gives each token under 1/64; and where layer 1's
   query row lands relative to the answers (d = -2..4 around them);
 - truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
-  for w = 1, 2, 4, ..., when it is exactly the previous token, exactly uniform, or cut out;
-- first occurrence: test accuracy by the pair in which the query key first occurs. A lookup through
-  a previous-token head does not care; one through a running mean of the tokens so far, in which a
-  key's share is 1 / (its position + 1), works best when that pair comes early;
+  for w = 1, 2, 4, ..., when it is exactly the previous token, exactly uniform, or cut out; over all
+  test sequences and by the pair in which the query key first occurs. A lookup through a
+  previous-token head does not care where that is; one through a running mean of the tokens so far,
+  in which a key's share is 1 / (its position + 1), works best when it comes early;
 - probe: how well a linear read-out of layer 1's input at the second half's value positions names the
   key d tokens back (d = 1: its own key; d = 3, 5: the keys of the pairs before), fitted on half of
   the test sequences and scored on the other half. Chance is one in the number of keys.
 
     python probe_ar.py --model=results/ar_h3_zoology_256_elu_seed1_model/model_elu_F256_seed1.pt
 
-Prints the four tables and writes them to probe_<model name>.json beside the model.
+Prints the three tables and writes them to probe_<model name>.json beside the model.
 """
 import json
 import os
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from attention import EPS, attention_weights
 from configurator import at_least, configure
-from train_ar import answer_positions, evaluate, load_model, make_data
+from train_ar import answer_positions, load_model, make_data
 
 # ---- config: plain values, override with --key=value ----
 model = ""  # a model_*.pt that train_ar.py --save_models=true wrote
@@ -99,45 +99,41 @@ def previous_token(T):
     return w
 
 
+def first_occurrence_bins(x, pairs):
+    """{"a-b": (N,) bool}: the sequences whose query key first occurs in pairs a..b (bins of FIRST)."""
+    first = (x[:, :2 * pairs:2] == x[:, -1:]).int().argmax(-1)  # (N,): the query is always in context
+    bins = {f"{lo}-{min(hi, pairs) - 1}": (first >= lo) & (first < hi) for lo, hi in zip(FIRST, FIRST[1:]) if lo < pairs}
+    return {"all": torch.ones_like(first, dtype=torch.bool), **bins}
+
+
 @torch.no_grad()
-def truncation(model, x, y):
-    """Test accuracy with layer 0's weights as they are, on the last w tokens only, exactly the previous
-    token (offset 1; the first token keeps itself), exactly uniform, and with layer 0's attention cut."""
-    attn = model.blocks[0].attn
+def truncation(model, x, y, pairs):
+    """{variant: {"all" or "a-b": [sequences, test accuracy]}}: accuracy over all test sequences and by the
+    pair in which the query key first occurs, with layer 0's weights as they are, on the last w tokens
+    only, exactly the previous token (the first token keeps itself), exactly uniform, and cut out."""
+    attn = model.eval().blocks[0].attn
     T = x.shape[1]
     prev = previous_token(T)
     uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
     variants = {"as trained": None, **{f"last {w}": (lambda W, w=w: band(W, w)) for w in WIDTHS},
                 "previous token": lambda W: prev.expand_as(W), "uniform": lambda W: uniform.expand_as(W),
                 "cut": lambda W: torch.zeros_like(W)}
-    accuracy = {}
+    bins = first_occurrence_bins(x, pairs)
+    table = {}
     for name, keep in variants.items():
         if keep is not None:
             attn.mix = truncated_mix(attn, keep)
-        accuracy[name] = evaluate(model, x, y)[0]
+        right = model(x)[:, -1].argmax(-1) == y[:, -1]  # (N,)
         attn.__dict__.pop("mix", None)  # back to the class's mix
-    return accuracy
-
-
-@torch.no_grad()
-def by_first_occurrence(model, x, y, pairs):
-    """{"a-b": [sequences, test accuracy]} for the sequences whose query key first occurs in pairs a..b."""
-    first = (x[:, :2 * pairs:2] == x[:, -1:]).int().argmax(-1)  # (N,): the query is always in context
-    right = model.eval()(x)[:, -1].argmax(-1) == y[:, -1]
-    result = {}
-    for lo, hi in zip(FIRST, FIRST[1:]):
-        m = (first >= lo) & (first < min(hi, pairs))
-        if m.any():
-            result[f"{lo}-{min(hi, pairs) - 1}"] = [m.sum().item(), right[m].double().mean().item()]
-    return result
+        table[name] = {b: [m.sum().item(), right[m].double().mean().item()] for b, m in bins.items() if m.any()}
+    return table
 
 
 @torch.no_grad()
 def probe(model, x, pairs, n_keys):
     """{d: held-out accuracy of a least-squares linear read-out, from layer 1's input (after its layer
     norm) at each value position, of the key d tokens back}."""
-    model.eval()  # evaluate() leaves it in training mode
-    h = model.blocks[0](model.embed(x))
+    h = model.eval().blocks[0](model.embed(x))
     h = model.blocks[1].ln1(h)  # (N, T, C)
     half, rows = len(x) // 2, value_rows(x.shape[1], pairs)  # the same positions for every d
     feats = F.pad(h[:, rows], (0, 1), value=1.0)  # (N, R, C + 1), with a bias
@@ -165,16 +161,17 @@ def main(cfg):
     n_keys = (run["vocab_size"] - 2) // 2 if run["format"] == "h3" else run["vocab_size"] // 2
     print(f"{ckpt['run']} seed {ckpt['seed']} after {ckpt['epochs']} epochs, {len(x)} test sequences")
     result = {"model": cfg["model"], "run": ckpt["run"], "seed": ckpt["seed"], "epochs": ckpt["epochs"], "num": len(x),
-              **offsets(net, x, pairs), "truncation": truncation(net, x, y),
-              "first_occurrence": by_first_occurrence(net, x, y, pairs), "probe": probe(net, x, pairs, n_keys)}
+              **offsets(net, x, pairs), "truncation": truncation(net, x, y, pairs), "probe": probe(net, x, pairs, n_keys)}
     print("layer 0, mean weight d tokens back from a value (second half; a uniform row gives "
           f"{result['uniform']:.4f}):")
     print("  " + "  ".join(f"{d}: {max(w):.3f}" for d, w in zip(OFFSETS, result["layer0"])))
     print("layer 1, the query row's weight at the answers + d:")
     print("  " + "  ".join(f"{d:+d}: {max(w):.3f}" for d, w in zip(AROUND, result["layer1_answer"])))
-    print("test accuracy with layer 0's attention " + ", ".join(f"{k}: {v:.3f}" for k, v in result["truncation"].items()))
-    print("test accuracy by the pair where the query key first occurs: "
-          + ", ".join(f"{k}: {acc:.3f} ({n})" for k, (n, acc) in result["first_occurrence"].items()))
+    bins = result["truncation"]["as trained"]
+    print("test accuracy with layer 0's attention as below: over all sequences, and by the pair where the query key first occurs")
+    print(f"{'':>15} " + " ".join(f"{b} ({n})".rjust(11) for b, (n, _) in bins.items()))
+    for name, row in result["truncation"].items():
+        print(f"{name:>15} " + " ".join(f"{acc:11.3f}" for _, acc in row.values()))
     print(f"linear probe of layer 1's input at a value for the key d back (chance {1 / n_keys:.3f}): "
           + ", ".join(f"d = {d}: {a:.3f}" for d, a in result["probe"].items()))
     path = os.path.join(os.path.dirname(cfg["model"]), f"probe_{os.path.basename(cfg['model'])[:-3]}.json")

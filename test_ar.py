@@ -204,7 +204,7 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
 def test_probe_ar_measures_what_it_says(tmp_path):
     """probe_ar.py on a saved model: the offsets are layer 0's own weights d back (a loop over the weights
     here), the "previous token" truncation is a forward pass written out by hand with layer 0 mixing only
-    v[i - 1], a full band leaves the weights as they are, the first-occurrence bins count every sequence,
+    v[i - 1], a full band leaves the weights as they are, the first-occurrence bins are those of a loop,
     and the probe reads the own key (and nothing older) exactly when layer 0 is that previous-token copy."""
     cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
                token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
@@ -228,7 +228,12 @@ def test_probe_ar_measures_what_it_says(tmp_path):
     two = probe_ar.band(W, 2)[0, 0]
     assert torch.allclose(two[3, 2:4], W[0, 0, 3, 2:4] / W[0, 0, 3, 2:4].sum(), atol=1e-4) and two[3, :2].sum() == 0
 
-    assert result["truncation"]["as trained"] == train_ar.evaluate(model, x, y)[0]
+    assert result["truncation"]["as trained"]["all"][1] == train_ar.evaluate(model.eval(), x, y)[0]
+    with torch.no_grad():
+        right = (model.eval()(x)[:, -1].argmax(-1) == y[:, -1]).tolist()
+    first = [next(p for p in range(16) if x[n, 2 * p] == x[n, -1]) for n in range(120)]  # by a loop
+    early = [r for r, p in zip(right, first) if p < 2]
+    assert result["truncation"]["as trained"]["0-1"] == [len(early), sum(early) / len(early)]
     block0, block1 = model.blocks
     with torch.no_grad():  # layer 0 with only v[i - 1], by hand
         h = model.embed(x)
@@ -238,8 +243,10 @@ def test_probe_ar_measures_what_it_says(tmp_path):
         by_hand = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
         block0.attn.mix = probe_ar.truncated_mix(block0.attn, lambda W: probe_ar.previous_token(x.shape[1]).expand_as(W))
         assert torch.allclose(model(x)[:, -1], by_hand, atol=1e-5)
-    assert result["truncation"]["previous token"] == (by_hand.argmax(-1) == y[:, -1]).double().mean().item()
-    assert sum(n for n, _ in result["first_occurrence"].values()) == 120
+    assert result["truncation"]["previous token"]["all"][1] == (by_hand.argmax(-1) == y[:, -1]).double().mean().item()
+    for row in result["truncation"].values():
+        assert sum(n for b, (n, _) in row.items() if b != "all") == row["all"][0] == 120
+        assert row["0-1"][0] == sum(p < 2 for p in first) and row["8-15"][0] == sum(p >= 8 for p in first)
     planted = probe_ar.probe(model, x, 16, 9)  # layer 0 still the previous-token copy
     assert planted[1] > 0.95 and planted[3] < 0.5 and planted[5] < 0.5, planted
 
