@@ -8,8 +8,9 @@ it there and reads the value. train_ar.py records two numbers per epoch for it: 
 the previous token, and layer 1's weight on the answer. Some linear runs reach 50-73% with the first
 no higher than a uniform row's. Three measurements say how:
 - offsets: the mean weight that layer 0 puts d tokens back (d = 0..16) from the value positions of the
-  second half of the sequence, where a uniform row gives each token under 1/64; and where layer 1's
-  query row lands relative to the answers (d = -2..4 around them);
+  second half of the sequence, where a uniform row gives each token under 1/64, and how much of it
+  goes to keys and to the first quarter of the sequence; where layer 1's query row lands relative to
+  the answers (d = -2..4 around them), and how much on the first answer against the later ones;
 - truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
   for w = 1, 2, 4, ..., when it is exactly the previous token, exactly uniform, or cut out; over all
   test sequences and by the pair in which the query key first occurs. A lookup through a
@@ -53,25 +54,36 @@ def value_rows(T, pairs):
 
 @torch.no_grad()
 def offsets(model, x, pairs):
-    """{"layer0": mean weight d back (d in OFFSETS) from the second half's value positions, per head,
-    "uniform": what a uniform causal row gives there, "layer1_answer": layer 1's query row at the
-    answers' positions + d (d in AROUND), summed over the answers, per head}."""
+    """Where the two layers look. From the second half's value positions, layer 0's mean weight d back
+    (d in OFFSETS; "uniform": a uniform row's there), its total weight on key positions and on the first
+    quarter of the sequence; from the query, the last layer's weight at the answers + d (d in AROUND),
+    and on the first answer and on the later ones. Every entry per head."""
     _, weights = model.eval()(x, return_weights=True)  # L x (N, H, T, T)
-    rows = value_rows(x.shape[1], pairs)
+    T = x.shape[1]
+    rows = value_rows(T, pairs)
     w0 = weights[0][:, :, rows]  # (N, H, R, T)
     back = [w0[:, :, torch.arange(len(rows)), rows - d].mean((0, 2)).tolist() for d in OFFSETS]  # d x (H,)
+    keys = torch.arange(T) % 2 == 0
+    keys[2 * pairs:] = False
     query = weights[-1][:, :, -1]  # (N, H, T): the last layer's query row
     answers = answer_positions(x)  # (N, T)
+    answers[:, -1] = False  # the query itself
+    first = torch.zeros_like(answers)
+    first[torch.arange(len(x)), answers.int().argmax(-1)] = True  # every query key is in context
     around = []
     for d in AROUND:
         shifted = torch.zeros_like(answers)
         if d >= 0:
-            shifted[:, d:] = answers[:, :answers.shape[1] - d]
+            shifted[:, d:-1] = answers[:, :T - 1 - d]
         else:
-            shifted[:, :d] = answers[:, -d:]
-        shifted[:, -1] = False  # the query itself
+            shifted[:, :d - 1] = answers[:, -d:-1]
         around.append((query * shifted[:, None]).sum(-1).mean(0).tolist())  # (H,)
-    return {"layer0": back, "uniform": (1.0 / (rows + 1)).mean().item(), "layer1_answer": around}
+    start = torch.arange(T) < T // 4
+    return {"layer0": back, "uniform": (1.0 / (rows + 1)).mean().item(),
+            "layer0_on_keys": (w0 * keys).sum(-1).mean((0, 2)).tolist(),
+            "layer0_on_first_quarter": (w0 * start).sum(-1).mean((0, 2)).tolist(), "layer1_answer": around,
+            "layer1_first_answer": (query * first[:, None]).sum(-1).mean(0).tolist(),
+            "layer1_later_answers": (query * (answers & ~first)[:, None]).sum(-1).mean(0).tolist()}
 
 
 def truncated_mix(attn, keep):
@@ -165,8 +177,12 @@ def main(cfg):
     print("layer 0, mean weight d tokens back from a value (second half; a uniform row gives "
           f"{result['uniform']:.4f}):")
     print("  " + "  ".join(f"{d}: {max(w):.3f}" for d, w in zip(OFFSETS, result["layer0"])))
+    print(f"  in all, on key positions {max(result['layer0_on_keys']):.3f}, "
+          f"on the first quarter of the sequence {max(result['layer0_on_first_quarter']):.3f}")
     print("layer 1, the query row's weight at the answers + d:")
     print("  " + "  ".join(f"{d:+d}: {max(w):.3f}" for d, w in zip(AROUND, result["layer1_answer"])))
+    print(f"  on the first answer {max(result['layer1_first_answer']):.3f}, "
+          f"on the later ones {max(result['layer1_later_answers']):.3f}")
     bins = result["truncation"]["as trained"]
     print("test accuracy with layer 0's attention as below: over all sequences, and by the pair where the query key first occurs")
     print(f"{'':>15} " + " ".join(f"{b} ({n})".rjust(11) for b, (n, _) in bins.items()))

@@ -202,10 +202,11 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
 
 
 def test_probe_ar_measures_what_it_says(tmp_path):
-    """probe_ar.py on a saved model: the offsets are layer 0's own weights d back (a loop over the weights
-    here), the "previous token" truncation is a forward pass written out by hand with layer 0 mixing only
-    v[i - 1], a full band leaves the weights as they are, the first-occurrence bins are those of a loop,
-    and the probe reads the own key (and nothing older) exactly when layer 0 is that previous-token copy."""
+    """probe_ar.py on a saved model: the offsets, the weight on keys and on the first answer are the layers'
+    own weights (loops over them here); the "previous token" truncation is a forward pass written out by
+    hand with layer 0 mixing only v[i - 1]; a full band leaves the weights as they are; the first-occurrence
+    bins are those of a loop; and the probe reads the own key (and nothing older) exactly when layer 0 is
+    that previous-token copy."""
     cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
                token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
                out_dir=str(tmp_path))
@@ -221,6 +222,12 @@ def test_probe_ar_measures_what_it_says(tmp_path):
     rows = [i for i in range(x.shape[1]) if i % 2 == 1 and x.shape[1] // 2 <= i < 32]
     for d in (0, 1, 5):
         assert result["layer0"][d][0] == pytest.approx(sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows), rel=1e-5)
+    with torch.no_grad():
+        w1 = model(x, return_weights=True)[1][1][:, 0, -1]  # (N, T): the query row
+    firsts = [next(i for i in range(1, 33) if x[n, i - 1] == x[n, -1]) for n in range(120)]
+    assert result["layer1_first_answer"][0] == pytest.approx(sum(w1[n, i].item() for n, i in enumerate(firsts)) / 120, rel=1e-5)
+    assert result["layer1_first_answer"][0] + result["layer1_later_answers"][0] == pytest.approx(result["layer1_answer"][2][0], rel=1e-5)
+    assert result["layer0_on_keys"][0] == pytest.approx(sum(w0[:, i, 0:i + 1:2].sum(-1).mean().item() for i in rows) / len(rows), rel=1e-5)
     W = (torch.rand(2, 1, 6, 6) + 0.1).tril()
     W = W / W.sum(-1, keepdim=True)  # every weight >= 0.1 / 6.6, so band's EPS moves them by < 1e-4
     assert torch.allclose(probe_ar.band(W, 6), W, atol=1e-4)
