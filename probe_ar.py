@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from attention import EPS, attention_weights
+from attention import EPS, attention_weights, causal_mask
 from configurator import at_least, configure
 from train_ar import answer_positions, load_model, make_data
 
@@ -49,7 +49,8 @@ FIRST = (0, 2, 4, 8, 16, 32, 64)  # bins of the pair index of the query key's fi
 
 def value_rows(T, pairs):
     """The value positions (odd, inside the pairs) of the sequence's second half: their key is 1 back."""
-    return torch.arange(T // 2 | 1, 2 * pairs, 2)
+    values = torch.arange(1, 2 * pairs, 2)
+    return values[values >= T // 2]
 
 
 @torch.no_grad()
@@ -98,7 +99,7 @@ def band(w, width):
     """w kept on the last `width` tokens (offsets 0 .. width - 1) and renormalised."""
     T = w.shape[-1]
     i = torch.arange(T)
-    near = (i[:, None] - i[None, :] < width) & (i[:, None] >= i[None, :])
+    near = (i[:, None] - i[None, :] < width) & causal_mask(T)
     w = w * near
     return w / (w.sum(-1, keepdim=True) + EPS)
 
@@ -126,7 +127,7 @@ def truncation(model, x, y, pairs):
     attn = model.eval().blocks[0].attn
     T = x.shape[1]
     prev = previous_token(T)
-    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    uniform = causal_mask(T) / torch.arange(1, T + 1)[:, None]
     variants = {"as trained": None, **{f"last {w}": (lambda W, w=w: band(W, w)) for w in WIDTHS},
                 "previous token": lambda W: prev.expand_as(W), "uniform": lambda W: uniform.expand_as(W),
                 "cut": lambda W: torch.zeros_like(W)}
