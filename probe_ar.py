@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from attention import EPS, attention_weights, causal_mask
 from configurator import at_least, configure
-from train_ar import answer_positions, load_model, make_data
+from ar import answer_positions, load_model, make_data
 
 # ---- config: plain values, override with --key=value ----
 model = ""  # a model_*.pt that train_ar.py --save_models=true wrote

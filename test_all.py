@@ -33,11 +33,11 @@ if not torch.cuda.is_available() and _interpreter_runs_our_kernels():
 import pytest
 import torch.nn.functional as F
 
+import ar
 import convert
 import distill
 import feature_maps as fm
 import kernel
-import train_ar
 from attention import (MultiHeadAttention, attention_weights, hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step,
                        hybrid_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum, linear_attention_quadratic,
                        linear_attention_step, sliding_window_attention, softmax_attention)
@@ -425,9 +425,9 @@ def test_no_float64_in_any_map_or_form(name, torch_path):
 
 
 def test_no_float64_in_a_training_step_of_each_script(torch_path):
-    """One AdamW step of train_ar.py's and train_gpt.py's models, and one step of each convert.py stage."""
+    """One AdamW step of ar.py's and gpt.py's models, and one step of each convert.py stage."""
     with NoFloat64():
-        for model, (x, y) in ((train_ar.ARModel("oal"), train_ar.make_ar_data(4, seed=0)),
+        for model, (x, y) in ((ar.ARModel("oal"), ar.make_ar_data(4, seed=0)),
                               (tiny_gpt("cosformer"), (torch.randint(0, 50, (2, 24)),) * 2)):
             opt = torch.optim.AdamW(model.parameters())
             logits = model(x)

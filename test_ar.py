@@ -1,5 +1,5 @@
 """
-Associative recall as a user runs it: train_ar.py's data, model, stopping rules and runs, and plot_ar.py's
+Associative recall as a user runs it: ar.py's data and model, train_ar.py's stopping rules and runs, plot_ar.py's
 merged tables. Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_ar.py
 """
@@ -12,16 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ar
 import configurator
-import probe_ar
 import feature_maps as fm
+import probe_ar
 import train_ar
 from attention import attention_weights
 from test_all import HERE, NAMES, run_script
 
 def test_ar_data_labels_are_the_recalled_values():
     """Check every label against a plain scan of its sequence."""
-    x, y = train_ar.make_ar_data(20, seed=3)
+    x, y = ar.make_ar_data(20, seed=3)
     assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
     for row, lab in zip(x.tolist(), y.tolist()):
         value_of = {}
@@ -36,7 +37,7 @@ def test_h3_data_is_the_published_format():
     the query key is in context and its label is its value there; every example unique."""
     n_keys, prefix = 19, 38
     for train in (True, False):
-        x, y = train_ar.make_h3_data(300, seq_len=16, vocab_size=40, seed=4, train=train)
+        x, y = ar.make_h3_data(300, seq_len=16, vocab_size=40, seed=4, train=train)
         assert x.shape == y.shape == (300, 18)
         assert len({tuple(r) for r in x.tolist()}) == 300  # unique (inputs determine the examples here)
         for row, lab in zip(x.tolist(), y.tolist()):
@@ -57,8 +58,8 @@ def test_answer_positions_and_the_retrieval_head():
     on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each.
     The weight on the previous token: 1 for a head that only looks there (layer 1, head 1), and the mean
     of 1/(i + 1) over positions i >= 1 for a uniform head."""
-    x, _ = train_ar.make_ar_data(6, seed=5)
-    target = train_ar.answer_positions(x)
+    x, _ = ar.make_ar_data(6, seed=5)
+    target = ar.answer_positions(x)
     for row, mask in zip(x.tolist(), target.tolist()):
         assert mask == [t > 0 and row[t - 1] == row[-1] for t in range(len(row))]
     N, T = x.shape
@@ -74,7 +75,7 @@ def test_answer_positions_and_the_retrieval_head():
             w1 = torch.stack([spiky, previous], 1)  # (N, 2, T, T)
             return None, [w0, w1]
 
-    mass, ent, rows, prev = train_ar.lookup_stats(Stub(), x)
+    mass, ent, rows, prev = ar.lookup_stats(Stub(), x)
     count = target.sum(-1).double()
     assert mass.shape == ent.shape == prev.shape == (2, 2) and rows.shape == (2, 2, N, T)
     assert abs(prev[1, 1] - 1) < 1e-6
@@ -93,7 +94,7 @@ def test_ar_gives_every_map_the_feature_size_asked(target):
         F_ = train_ar.feature_size(name, D, {})
         assert all(abs(F_ - target) <= abs(train_ar.feature_size(name, d, {}) - target) for d in range(2, target + 1))
         assert abs(F_ - target) <= {"taylor": 12, "quadratic": 12, "oal": 12, "taylorshift": 12}.get(name, 2), (name, D, F_)
-        model = train_ar.ARModel(name, qk_dim=D)
+        model = ar.ARModel(name, qk_dim=D)
         if name != "softmax":
             q = torch.randn(1, 1, 5, D)
             assert model.blocks[0].attn.fmap(q, q)[0].shape[-1] == F_
@@ -147,7 +148,7 @@ def test_train_ar_smoke(tmp_path):
         losses = [float(x) for x in re.findall(rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)", out)]
         assert len(losses) == 3 and losses[-1] < losses[0], (r["attention"], losses)
         name, kw = train_ar.VARIANTS.get(r["attention"], (r["attention"], {}))
-        assert r["params"] == sum(p.numel() for p in train_ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
+        assert r["params"] == sum(p.numel() for p in ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
         assert AR_FIELDS <= set(r) and 0 <= r["test_acc"] <= 1 and 0 < r["retrieval_entropy"] <= math.log(127)
         assert 0 <= r["target_mass"] <= 1 and len(r["query_row"]) == 127
         assert len(r["prev_mass_per_epoch"]) == len(r["target_mass_per_epoch"]) == 3  # (epochs, layers, heads)
@@ -175,7 +176,7 @@ def test_train_ar_published_recipe_and_capacity_sweep(tmp_path):
 
 def test_train_ar_max_minutes_stops_after_the_epoch():
     """--max_minutes ends a run after the epoch in which the time passed; 0 means no limit."""
-    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(16, seed=2))
+    data = (*ar.make_ar_data(64, seed=1), *ar.make_ar_data(16, seed=2))
     for minutes, epochs in ((1e-9, 1), (0.0, 3)):
         cfg = dict(train_ar.config, epochs=3, batch_size=32, eval_every=1, target_acc=2.0, max_minutes=minutes)
         record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
@@ -187,18 +188,18 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
     """--save_models writes each run's final model; load_model rebuilds it with its map's settings (exp_t2's
     t = 2), so the loaded model gives the run's own recorded attention weights. Another kind of file is a
     one-line error."""
-    data = (*train_ar.make_ar_data(64, seed=1), *train_ar.make_ar_data(200, seed=2))
+    data = (*ar.make_ar_data(64, seed=1), *ar.make_ar_data(200, seed=2))
     cfg = dict(train_ar.config, epochs=1, batch_size=32, target_acc=2.0, save_models=True, out_dir=str(tmp_path))
     record = train_ar.train_one("exp_t2", 16, 3, data, cfg, "cpu")
-    model, ckpt = train_ar.load_model(tmp_path / "model_exp_t2_F16_seed3.pt")
+    model, ckpt = ar.load_model(tmp_path / "model_exp_t2_F16_seed3.pt")
     assert ckpt["config"] == cfg and ckpt["epochs"] == 1
-    mass, ent, _, prev = train_ar.lookup_stats(model, data[2][:200])
+    mass, ent, _, prev = ar.lookup_stats(model, data[2][:200])
     assert mass.tolist() == record["target_mass_per_head"] and prev.tolist() == record["prev_mass_per_head"]
     assert ent.tolist() == record["entropy_per_head"]
-    assert train_ar.evaluate(model, data[2], data[3])[0] == record["test_acc"]
+    assert ar.evaluate(model, data[2], data[3])[0] == record["test_acc"]
     torch.save({"kind": "train_gpt"}, tmp_path / "gpt.pt")
     with pytest.raises(SystemExit, match="is not a train_ar.py checkpoint"):
-        train_ar.load_model(tmp_path / "gpt.pt")
+        ar.load_model(tmp_path / "gpt.pt")
 
 
 def test_probe_ar_measures_what_it_says(tmp_path):
@@ -210,12 +211,12 @@ def test_probe_ar_measures_what_it_says(tmp_path):
     cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
                token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
                out_dir=str(tmp_path))
-    data = train_ar.make_data(cfg)  # probe_ar.py makes the test set again from the saved config
+    data = ar.make_data(cfg)  # probe_ar.py makes the test set again from the saved config
     train_ar.train_one("elu", 16, 0, data, cfg, "cpu")
     path = str(tmp_path / "model_elu_F16_seed0.pt")
     result = probe_ar.main(dict(probe_ar.config, model=path, num=120))
     assert json.load(open(tmp_path / "probe_model_elu_F16_seed0.json"))["truncation"] == result["truncation"]
-    model, _ = train_ar.load_model(path)
+    model, _ = ar.load_model(path)
     x, y = data[2], data[3]
     with torch.no_grad():
         w0 = model(x, return_weights=True)[1][0][:, 0]  # (N, T, T)
@@ -235,7 +236,7 @@ def test_probe_ar_measures_what_it_says(tmp_path):
     two = probe_ar.band(W, 2)[0, 0]
     assert torch.allclose(two[3, 2:4], W[0, 0, 3, 2:4] / W[0, 0, 3, 2:4].sum(), atol=1e-4) and two[3, :2].sum() == 0
 
-    assert result["truncation"]["as trained"]["all"][1] == train_ar.evaluate(model.eval(), x, y)[0]
+    assert result["truncation"]["as trained"]["all"][1] == ar.evaluate(model.eval(), x, y)[0]
     with torch.no_grad():
         right = (model.eval()(x)[:, -1].argmax(-1) == y[:, -1]).tolist()
     first = [next(p for p in range(16) if x[n, 2 * p] == x[n, -1]) for n in range(120)]  # by a loop
@@ -262,13 +263,13 @@ def test_train_ar_early_stopping_watches_the_test_loss():
     """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
     loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3,
     and the loss is that of the untrained model, built again here."""
-    data = (*train_ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
-            *train_ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
+    data = (*ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
+            *ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
     cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
     record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
     assert record["epochs"] == 3 and len(record["test_loss_per_epoch"]) == 3
     torch.manual_seed(0)
-    model = train_ar.ARModel("softmax", 12, 18, qk_dim=16).eval()
+    model = ar.ARModel("softmax", 12, 18, qk_dim=16).eval()
     x_test, y_test = data[2], data[3]
     with torch.no_grad():
         loss = F.cross_entropy(model(x_test)[:, -1], y_test[:, -1]).item()
@@ -286,7 +287,7 @@ def test_train_ar_early_stopping_tells_the_rules_apart(rule, epochs, monkeypatch
         return 0.5, 1.0 / len(calls)
 
     monkeypatch.setattr(train_ar, "evaluate", scripted)
-    data = (*train_ar.make_ar_data(32, seq_len=9, seed=1), *train_ar.make_ar_data(8, seq_len=9, seed=2))
+    data = (*ar.make_ar_data(32, seq_len=9, seed=1), *ar.make_ar_data(8, seq_len=9, seed=2))
     cfg = dict(train_ar.config, epochs=6, batch_size=32, eval_every=1000, target_acc=2.0, patience=2, early_stop=rule)
     assert train_ar.train_one("softmax", 8, 0, data, cfg, "cpu")["epochs"] == epochs
 
@@ -301,8 +302,8 @@ def test_every_attention_trains_in_the_ar_model(name, torch_path):
     """train_ar.py's model and names (its variants included): a few steps on one batch lower the loss."""
     fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))
     torch.manual_seed(0)
-    model = train_ar.ARModel(fmap_name, **kw)
-    x, y = train_ar.make_h3_data(16, seq_len=124, seed=0)  # 126 positions
+    model = ar.ARModel(fmap_name, **kw)
+    x, y = ar.make_h3_data(16, seq_len=124, seed=0)  # 126 positions
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(8):

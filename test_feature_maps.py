@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ar
 import distill
 import feature_maps as fm
 import oal_groups
@@ -104,11 +105,11 @@ def test_oal_split_keeps_the_kernel():
     """Splitting a trained one-group head, as train_ar.regroup_oal does after the first epoch, changes
     nothing at once: the model's outputs before and after are the same."""
     torch.manual_seed(0)
-    model = train_ar.ARModel("oal", n_layer=2, d_model=16, qk_dim=8).double()
+    model = ar.ARModel("oal", n_layer=2, d_model=16, qk_dim=8).double()
     with torch.no_grad():
         for block in model.blocks:
             block.attn.fmap.L.add_(0.3 * torch.randn_like(block.attn.fmap.L))
-    x, _ = train_ar.make_ar_data(8, seed=0)
+    x, _ = ar.make_ar_data(8, seed=0)
     before = model(x)
     train_ar.regroup_oal(model, x)
     assert any((block.attn.fmap.groups > 0).any() for block in model.blocks)
