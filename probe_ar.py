@@ -12,7 +12,9 @@ no higher than a uniform row's. Three measurements say how:
   goes to keys and to the first quarter of the sequence; where layer 1's query row lands relative to
   the answers (d = -2..4 around them), and how much on the first answer against the later ones;
 - truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
-  for w = 1, 2, 4, ..., when it is exactly the previous token, exactly uniform, or cut out; over all
+  for w = 1, 2, 4, ..., when it is exactly the previous token (at every position, or at every one
+  but the query, where it is cut: in h3 the query's previous token is the copy prefix), exactly uniform,
+  or cut out; over all
   test sequences and by the pair in which the query key first occurs. A lookup through a
   previous-token head does not care where that is; one through a running mean of the tokens so far,
   in which a key's share is 1 / (its position + 1), works best when it comes early;
@@ -104,12 +106,21 @@ def band(w, width):
     return w / (w.sum(-1, keepdim=True) + EPS)
 
 
-def previous_token(T):
-    """(T, T) weights of an exact previous-token head: row i all on i - 1, the first row on itself."""
-    w = torch.zeros(T, T)
-    w[0, 0] = 1
-    w[torch.arange(1, T), torch.arange(T - 1)] = 1
-    return w
+def layer0_variants(T):
+    """{name: keep}: what truncation() puts in place of layer 0's weights W (B, H, T, T); None keeps them.
+    The previous-token rows put all on i - 1 (the first row on itself); "but the query" leaves the
+    query's row empty."""
+    prev = torch.zeros(T, T)
+    prev[0, 0] = 1
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1
+    but_query = prev.clone()
+    but_query[-1] = 0
+    uniform = causal_mask(T) / torch.arange(1, T + 1)[:, None]
+    return {"as trained": None, **{f"last {w}": (lambda W, w=w: band(W, w)) for w in WIDTHS},
+            "previous token": lambda W: prev.expand_as(W),
+            "previous token but the query": lambda W: but_query.expand_as(W),
+            "uniform": lambda W: uniform.expand_as(W),
+            "cut": lambda W: torch.zeros_like(W)}
 
 
 def first_occurrence_bins(x, pairs):
@@ -123,17 +134,12 @@ def first_occurrence_bins(x, pairs):
 def truncation(model, x, y, pairs):
     """{variant: {"all" or "a-b": [sequences, test accuracy]}}: accuracy over all test sequences and by the
     pair in which the query key first occurs, with layer 0's weights as they are, on the last w tokens
-    only, exactly the previous token (the first token keeps itself), exactly uniform, and cut out."""
+    only, exactly the previous token (the first token keeps itself) everywhere or everywhere but the
+    query (whose row is then 0), exactly uniform, and cut out."""
     attn = model.eval().blocks[0].attn
-    T = x.shape[1]
-    prev = previous_token(T)
-    uniform = causal_mask(T) / torch.arange(1, T + 1)[:, None]
-    variants = {"as trained": None, **{f"last {w}": (lambda W, w=w: band(W, w)) for w in WIDTHS},
-                "previous token": lambda W: prev.expand_as(W), "uniform": lambda W: uniform.expand_as(W),
-                "cut": lambda W: torch.zeros_like(W)}
     bins = first_occurrence_bins(x, pairs)
     table = {}
-    for name, keep in variants.items():
+    for name, keep in layer0_variants(x.shape[1]).items():
         if keep is not None:
             attn.mix = truncated_mix(attn, keep)
         right = model(x)[:, -1].argmax(-1) == y[:, -1]  # (N,)
@@ -186,9 +192,9 @@ def main(cfg):
           f"on the later ones {max(result['layer1_later_answers']):.3f}")
     bins = result["truncation"]["as trained"]
     print("test accuracy with layer 0's attention as below: over all sequences, and by the pair where the query key first occurs")
-    print(f"{'':>15} " + " ".join(f"{b} ({n})".rjust(11) for b, (n, _) in bins.items()))
+    print(f"{'':>28} " + " ".join(f"{b} ({n})".rjust(11) for b, (n, _) in bins.items()))
     for name, row in result["truncation"].items():
-        print(f"{name:>15} " + " ".join(f"{acc:11.3f}" for _, acc in row.values()))
+        print(f"{name:>28} " + " ".join(f"{acc:11.3f}" for _, acc in row.values()))
     print(f"linear probe of layer 1's input at a value for the key d back (chance {1 / n_keys:.3f}): "
           + ", ".join(f"d = {d}: {a:.3f}" for d, a in result["probe"].items()))
     path = os.path.join(os.path.dirname(cfg["model"]), f"probe_{os.path.basename(cfg['model'])[:-3]}.json")
