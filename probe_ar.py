@@ -13,11 +13,11 @@ no higher than a uniform row's. Three measurements say how:
   the answers (d = -2..4 around them), and how much on the first answer against the later ones;
 - truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
   for w = 1, 2, 4, ..., when it is exactly the previous token (at every position, or at every one
-  but the query, where it is cut: in h3 the query's previous token is the copy prefix), exactly uniform,
-  or cut out; over all
-  test sequences and by the pair in which the query key first occurs. A lookup through a
-  previous-token head does not care where that is; one through a running mean of the tokens so far,
-  in which a key's share is 1 / (its position + 1), works best when it comes early;
+  but the query, where it is cut: in h3 the query's previous token is the copy prefix), exactly
+  uniform, or cut out; over all test sequences and by the pair in which the query key first
+  occurs. A lookup through a previous-token head does not care where that is; one through a
+  running mean of the tokens so far, in which a key's share is 1 / (its position + 1), works best
+  when it comes early;
 - probe: how well a linear read-out of layer 1's input at the second half's value positions names the
   key d tokens back (d = 1: its own key; d = 3, 5: the keys of the pairs before), fitted on half of
   the test sequences and scored on the other half. Chance is one in the number of keys.

@@ -204,10 +204,10 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
 
 def test_probe_ar_measures_what_it_says(tmp_path):
     """probe_ar.py on a saved model: the offsets, the weight on keys and on the first answer are the layers'
-    own weights (loops over them here); the "previous token" truncations are forward passes written out by
-    hand with layer 0 mixing only v[i - 1] (and nothing at the query); a full band leaves the weights as they are; the first-occurrence
-    bins are those of a loop; and the probe reads the own key (and nothing older) exactly when layer 0 is
-    that previous-token copy."""
+    own weights (loops over them here); the "previous token" truncations are forward passes written out
+    by hand with layer 0 mixing only v[i - 1] (and nothing at the query); a full band leaves the weights
+    as they are; the first-occurrence bins are those of a loop; and the probe reads the own key (and
+    nothing older) exactly when layer 0 is that previous-token copy."""
     cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
                token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
                out_dir=str(tmp_path))
@@ -243,24 +243,21 @@ def test_probe_ar_measures_what_it_says(tmp_path):
     early = [r for r, p in zip(right, first) if p < 2]
     assert result["truncation"]["as trained"]["0-1"] == [len(early), sum(early) / len(early)]
     block0, block1 = model.blocks
-    with torch.no_grad():  # layer 0 with only v[i - 1], by hand
-        h = model.embed(x)
-        _, _, v = block0.attn.heads(block0.ln1(h))  # (N, 1, T, C)
+    with torch.no_grad():  # layer 0 with only v[i - 1], by hand, and the same with nothing at the query
+        embedded = model.embed(x)
+        _, _, v = block0.attn.heads(block0.ln1(embedded))  # (N, 1, T, C)
         prev = torch.cat([v[:, :, :1], v[:, :, :-1]], 2)
-        h = h + block0.attn.o(prev.transpose(1, 2).flatten(2))
-        by_hand = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
-        prev[:, :, -1] = 0  # and nothing at the query
-        h = model.embed(x)
-        h = h + block0.attn.o(prev.transpose(1, 2).flatten(2))
-        but_query = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
-        variants = probe_ar.layer0_variants(x.shape[1])
-        for name, want in (("previous token", by_hand), ("previous token but the query", but_query)):
-            block0.attn.mix = probe_ar.truncated_mix(block0.attn, variants[name])
-            assert torch.allclose(model(x)[:, -1], want, atol=1e-5), name
-        assert not torch.allclose(by_hand, but_query, atol=1e-3)
-    assert result["truncation"]["previous token"]["all"][1] == (by_hand.argmax(-1) == y[:, -1]).double().mean().item()
-    right = (but_query.argmax(-1) == y[:, -1]).double().mean().item()
-    assert result["truncation"]["previous token but the query"]["all"][1] == right
+        quiet = prev.clone()
+        quiet[:, :, -1] = 0
+        answers = {}
+        for name, mixed in (("previous token", prev), ("previous token but the query", quiet)):
+            h = embedded + block0.attn.o(mixed.transpose(1, 2).flatten(2))
+            answers[name] = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
+            block0.attn.mix = probe_ar.truncated_mix(block0.attn, probe_ar.layer0_variants(x.shape[1])[name])
+            assert torch.allclose(model(x)[:, -1], answers[name], atol=1e-5), name
+            accuracy = (answers[name].argmax(-1) == y[:, -1]).double().mean().item()
+            assert result["truncation"][name]["all"][1] == accuracy, name
+        assert not torch.allclose(*answers.values(), atol=1e-3)
     for row in result["truncation"].values():
         assert sum(n for b, (n, _) in row.items() if b != "all") == row["all"][0] == 120
         assert row["0-1"][0] == sum(p < 2 for p in first) and row["8-15"][0] == sum(p >= 8 for p in first)
