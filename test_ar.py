@@ -184,6 +184,19 @@ def test_train_ar_max_minutes_stops_after_the_epoch():
         assert [s for s, _ in record["curve"]] == list(range(0, 2 * epochs + 1))  # 2 steps an epoch, curve at each
 
 
+def test_train_ar_keeps_the_finished_runs_when_stopped(tmp_path, monkeypatch):
+    """ar.json is written after each run, so a sweep stopped by Ctrl-C during its second run keeps the first."""
+    def run_then_stop(attention, *args):
+        if attention == "elu":
+            raise KeyboardInterrupt
+        return {"attention": attention, "seed": 0}
+    monkeypatch.setattr(train_ar, "train_one", run_then_stop)
+    cfg = dict(train_ar.config, attentions="softmax,elu", num_train=8, num_test=8, workers=1, out_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        train_ar.main(cfg)
+    assert [(r["attention"], r["device"]) for r in json.load(open(tmp_path / "ar.json"))] == [("softmax", "cpu")]
+
+
 def test_train_ar_saves_models_that_load_back(tmp_path):
     """--save_models writes each run's final model; load_model rebuilds it with its map's settings (exp_t2's
     t = 2), so the loaded model gives the run's own recorded attention weights. Another kind of file is a

@@ -34,11 +34,11 @@ default, with token shift) and "h3", H3's generator as published. config/ar_h3.p
         --seeds=0,1,2 --out_dir=results/ar_capacity      # accuracy against state size
     python train_ar.py config/ar_h3.py --d_model=64       # the published recipe, 64 wide (see the config)
 
-Writes out_dir/ar.json, one record per run, then plot_ar.report's table (ar_summary.txt) and figures:
-accuracy against the retrieval head's entropy (Fig. 4), its query row on one sequence (Fig. 2), the
-learning curves and, when `features` sweeps, accuracy against state size. plot_ar.py redraws them from
-saved files and merges runs made at different times. With --save_models=true each run's final model
-goes to out_dir too; ar.load_model reads it back, and probe_ar.py looks inside.
+Writes out_dir/ar.json, one record per run, rewritten as the runs finish (in order), then plot_ar.report's
+table (ar_summary.txt) and figures: accuracy against the retrieval head's entropy (Fig. 4), its query row on
+one sequence (Fig. 2), the learning curves and, when `features` sweeps, accuracy against state size.
+plot_ar.py redraws them from saved files and merges runs made at different times. With --save_models=true
+each run's final model goes to out_dir too; ar.load_model reads it back, and probe_ar.py looks inside.
 """
 import json
 import os
@@ -195,6 +195,11 @@ def train_one(attention, features, seed, data, cfg, dev):
             "steps_to_50": steps_to(curve, 0.5), "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
 
 
+def run_job(job):
+    """train_one on one tuple of its arguments, for Pool.imap."""
+    return train_one(*job)
+
+
 def steps_to(curve, level):
     """The first training step at which the accuracy curve [(step, acc), ...] reaches level; None if never."""
     return next((step for step, acc in curve if acc >= level), None)
@@ -242,19 +247,21 @@ def main(cfg):
     data = make_data(cfg)
     jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
     workers = min(len(jobs), cfg["workers"] or ((os.cpu_count() or 1) if dev == "cpu" else 1))
+    pool = None
     if workers > 1:  # small models use cores better as one-thread processes than as threads, and a GPU's idle time
         print(f"training {len(jobs)} runs in {workers} processes of one thread each")
-        with torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,)) as pool:
-            records = pool.starmap(train_one, jobs, chunksize=1)
-    else:
-        records = [train_one(*job) for job in jobs]
-    stopped = [r for r in records if "stopped" in r]
-    records = [r for r in records if "stopped" not in r]
+        pool = torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,))
     path = os.path.join(cfg["out_dir"], "ar.json")
-    for r in records:
-        r.update(device=dev, torch=torch.__version__, config=cfg)
-    with open(path, "w") as f:
-        json.dump(records + stopped, f, indent=1)
+    records, stopped = [], []
+    for r in pool.imap(run_job, jobs) if pool else map(run_job, jobs):  # in the order of jobs
+        if "stopped" in r:
+            stopped.append(r)
+        else:
+            records.append(dict(r, device=dev, torch=torch.__version__, config=cfg))
+        with open(path, "w") as f:  # after every run: stopping early (Ctrl-C) keeps the runs written so far
+            json.dump(records + stopped, f, indent=1)
+    if pool:
+        pool.close()
     print(f"saved {path}")
     if records:
         report(records, cfg["out_dir"], cfg["plots"])
