@@ -197,7 +197,7 @@ def test_train_ar_keeps_the_finished_runs_when_stopped(tmp_path, monkeypatch):
     assert [(r["attention"], r["device"]) for r in json.load(open(tmp_path / "ar.json"))] == [("softmax", "cpu")]
 
 
-def test_train_ar_saves_models_that_load_back(tmp_path):
+def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
     """--save_models writes each run's final model; load_model rebuilds it with its map's settings (exp_t2's
     t = 2), so the loaded model gives the run's own recorded attention weights. Another kind of file is a
     one-line error."""
@@ -215,7 +215,7 @@ def test_train_ar_saves_models_that_load_back(tmp_path):
         ar.load_model(tmp_path / "gpt.pt")
 
 
-def test_probe_ar_measures_what_it_says(tmp_path):
+def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     """probe_ar.py on a saved model: the offsets, the weight on keys and on the first answer are the layers'
     own weights (loops over them here); the "previous token" truncations are forward passes written out
     by hand with layer 0 mixing only v[i - 1] (and nothing at the query); a full band leaves the weights
