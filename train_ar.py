@@ -253,15 +253,17 @@ def main(cfg):
         pool = torch.multiprocessing.get_context("spawn").Pool(workers, torch.set_num_threads, (1,))
     path = os.path.join(cfg["out_dir"], "ar.json")
     records, stopped = [], []
-    for r in pool.imap(run_job, jobs) if pool else map(run_job, jobs):  # in the order of jobs
-        if "stopped" in r:
-            stopped.append(r)
-        else:
-            records.append(dict(r, device=dev, torch=torch.__version__, config=cfg))
-        with open(path, "w") as f:  # after every run: stopping early (Ctrl-C) keeps the runs written so far
-            json.dump(records + stopped, f, indent=1)
-    if pool:
-        pool.close()
+    try:
+        for r in pool.imap(run_job, jobs) if pool else map(run_job, jobs):  # in the order of jobs
+            if "stopped" in r:
+                stopped.append(r)
+            else:
+                records.append(dict(r, device=dev, torch=torch.__version__, config=cfg))
+            with open(path, "w") as f:  # after every run: stopping early (Ctrl-C) keeps the runs written so far
+                json.dump(records + stopped, f, indent=1)
+    finally:
+        if pool:  # its workers end with main, on an error or Ctrl-C too
+            pool.terminate()
     print(f"saved {path}")
     if records:
         report(records, cfg["out_dir"], cfg["plots"])
