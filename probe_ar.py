@@ -5,8 +5,8 @@ Where a trained associative-recall model finds the answer, from a model train_ar
 The lookup without token shift is an induction circuit (Hedgehog Sec. 3.2, App. B.1): layer 0 brings
 each key into the position of the value after it, and layer 1's query row (at the query key) matches
 it there and reads the value. train_ar.py records two numbers per epoch for it: layer 0's weight on
-the previous token, and layer 1's weight on the answer. Some linear runs reach 50-73% with the first
-no higher than a uniform row's. Three measurements say how:
+the previous token, and layer 1's weight on the answer. Some linear runs climb far off the plateau
+with the first no higher than a uniform row's. Three measurements say how:
 - offsets: the mean weight that layer 0 puts d tokens back (d = 0..16) from the value positions of the
   second half of the sequence, where a uniform row gives each token under 1/64, and how much of it
   goes to keys and to the first quarter of the sequence; where layer 1's query row lands relative to
