@@ -9,8 +9,10 @@ the previous token, and layer 1's weight on the answer. Some linear runs climb f
 with the first no higher than a uniform row's. Three measurements say how:
 - offsets: the mean weight that layer 0 puts d tokens back (d = 0..16) from the value positions of the
   second half of the sequence, where a uniform row gives each token under 1/64, and how much of it
-  goes to keys and to the first quarter of the sequence; where layer 1's query row lands relative to
-  the answers (d = -2..4 around them), and how much on the first answer against the later ones;
+  goes to keys and to the first quarter of the sequence; its weight on the own key at the value of
+  every pair, since a head can be built for a stretch of the sequence only; where layer 1's query
+  row lands relative to the answers (d = -2..4 around them), and how much on the first answer
+  against the later ones;
 - truncation: test accuracy when layer 0 keeps only its weights on the last w tokens (renormalised),
   for w = 1, 2, 4, ..., when it is exactly the previous token (at every position, or at every one
   but the query, where it is cut: in h3 the query's previous token is the copy prefix), exactly
@@ -59,13 +61,16 @@ def value_rows(T, pairs):
 def offsets(model, x, pairs):
     """Where the two layers look. From the second half's value positions, layer 0's mean weight d back
     (d in OFFSETS; "uniform": a uniform row's there), its total weight on key positions and on the first
-    quarter of the sequence; from the query, the last layer's weight at the answers + d (d in AROUND),
+    quarter of the sequence; layer 0's weight on the own key at the value of each pair (all pairs, not
+    only the second half's); from the query, the last layer's weight at the answers + d (d in AROUND),
     and on the first answer and on the later ones. Every entry per head."""
     _, weights = model.eval()(x, return_weights=True)  # L x (N, H, T, T)
     T = x.shape[1]
     rows = value_rows(T, pairs)
     w0 = weights[0][:, :, rows]  # (N, H, R, T)
     back = [w0[:, :, torch.arange(len(rows)), rows - d].mean((0, 2)).tolist() for d in OFFSETS]  # d x (H,)
+    values = torch.arange(1, 2 * pairs, 2)
+    by_pair = weights[0][:, :, values, values - 1].mean(0).T.tolist()  # pairs x (H,)
     keys = torch.arange(T) % 2 == 0
     keys[2 * pairs:] = False
     query = weights[-1][:, :, -1]  # (N, H, T): the last layer's query row
@@ -84,7 +89,8 @@ def offsets(model, x, pairs):
     start = torch.arange(T) < T // 4
     return {"layer0": back, "uniform": (1.0 / (rows + 1)).mean().item(),
             "layer0_on_keys": (w0 * keys).sum(-1).mean((0, 2)).tolist(),
-            "layer0_on_first_quarter": (w0 * start).sum(-1).mean((0, 2)).tolist(), "layer1_answer": around,
+            "layer0_on_first_quarter": (w0 * start).sum(-1).mean((0, 2)).tolist(),
+            "layer0_own_key_by_pair": by_pair, "layer1_answer": around,
             "layer1_first_answer": (query * first[:, None]).sum(-1).mean(0).tolist(),
             "layer1_later_answers": (query * (answers & ~first)[:, None]).sum(-1).mean(0).tolist()}
 
@@ -186,6 +192,10 @@ def main(cfg):
     print("  " + "  ".join(f"{d}: {max(w):.3f}" for d, w in zip(OFFSETS, result["layer0"])))
     print(f"  in all, on key positions {max(result['layer0_on_keys']):.3f}, "
           f"on the first quarter of the sequence {max(result['layer0_on_first_quarter']):.3f}")
+    print("layer 0, weight on its own key at the value of pair p (all pairs, 16 to a line):")
+    by_pair = [max(w) for w in result["layer0_own_key_by_pair"]]
+    for p in range(0, pairs, 16):
+        print(f"  {p:>2}-{min(p + 16, pairs) - 1:<2} " + " ".join(f"{w:.2f}" for w in by_pair[p:p + 16]))
     print("layer 1, the query row's weight at the answers + d:")
     print("  " + "  ".join(f"{d:+d}: {max(w):.3f}" for d, w in zip(AROUND, result["layer1_answer"])))
     print(f"  on the first answer {max(result['layer1_first_answer']):.3f}, "

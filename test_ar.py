@@ -216,11 +216,12 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
 
 
 def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
-    """probe_ar.py on a saved model: the offsets, the weight on keys and on the first answer are the layers'
-    own weights (loops over them here); the "previous token" truncations are forward passes written out
-    by hand with layer 0 mixing only v[i - 1] (and nothing at the query); a full band leaves the weights
-    as they are; the first-occurrence bins are those of a loop; and the probe reads the own key (and
-    nothing older) exactly when layer 0 is that previous-token copy."""
+    """probe_ar.py on a saved model: the offsets, the weight on keys, on each pair's own key and on the
+    first answer are the layers' own weights (loops over them here); the "previous token" truncations
+    are forward passes written out by hand with layer 0 mixing only v[i - 1] (and nothing at the
+    query); a full band leaves the weights as they are; the first-occurrence bins are those of a loop;
+    and the probe reads the own key (and nothing older) exactly when layer 0 is that previous-token
+    copy."""
     cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
                token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
                out_dir=str(tmp_path))
@@ -236,6 +237,11 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     rows = [i for i in range(x.shape[1]) if i % 2 == 1 and x.shape[1] // 2 <= i < 32]
     for d in (0, 1, 5):
         assert result["layer0"][d][0] == pytest.approx(sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows), rel=1e-5)
+    by_pair = result["layer0_own_key_by_pair"]  # every pair's value, the second half's among them
+    assert len(by_pair) == 16
+    assert sum(by_pair[p][0] for p in range(8, 16)) / 8 == pytest.approx(result["layer0"][1][0], rel=1e-5)
+    for p in (0, 3, 15):
+        assert by_pair[p][0] == pytest.approx(w0[:, 2 * p + 1, 2 * p].mean().item(), rel=1e-5)
     with torch.no_grad():
         w1 = model(x, return_weights=True)[1][1][:, 0, -1]  # (N, T): the query row
     firsts = [next(i for i in range(1, 33) if x[n, i - 1] == x[n, -1]) for n in range(120)]
