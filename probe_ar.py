@@ -51,10 +51,10 @@ KEY_BACK = (1, 3, 5)
 FIRST = (0, 2, 4, 8, 16, 32, 64)  # bins of the pair index of the query key's first occurrence
 
 
-def value_rows(T, pairs):
-    """The value positions (odd, inside the pairs) of the sequence's second half: their key is 1 back."""
+def value_rows(pairs, start=0):
+    """The value positions (odd, inside the pairs) from position start on: their key is 1 back."""
     values = torch.arange(1, 2 * pairs, 2)
-    return values[values >= T // 2]
+    return values[values >= start]
 
 
 @torch.no_grad()
@@ -66,10 +66,10 @@ def offsets(model, x, pairs):
     and on the first answer and on the later ones. Every entry per head."""
     _, weights = model.eval()(x, return_weights=True)  # L x (N, H, T, T)
     T = x.shape[1]
-    rows = value_rows(T, pairs)
+    rows = value_rows(pairs, T // 2)
     w0 = weights[0][:, :, rows]  # (N, H, R, T)
     back = [w0[:, :, torch.arange(len(rows)), rows - d].mean((0, 2)).tolist() for d in OFFSETS]  # d x (H,)
-    values = torch.arange(1, 2 * pairs, 2)
+    values = value_rows(pairs)
     by_pair = weights[0][:, :, values, values - 1].mean(0).T.tolist()  # pairs x (H,)
     keys = torch.arange(T) % 2 == 0
     keys[2 * pairs:] = False
@@ -160,7 +160,7 @@ def probe(model, x, pairs, n_keys):
     norm) at each value position, of the key d tokens back}."""
     h = model.eval().blocks[0](model.embed(x))
     h = model.blocks[1].ln1(h)  # (N, T, C)
-    half, rows = len(x) // 2, value_rows(x.shape[1], pairs)  # the same positions for every d
+    half, rows = len(x) // 2, value_rows(pairs, x.shape[1] // 2)  # the same positions for every d
     feats = F.pad(h[:, rows], (0, 1), value=1.0)  # (N, R, C + 1), with a bias
     result = {}
     for d in KEY_BACK:
