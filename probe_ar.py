@@ -34,7 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from attention import EPS, attention_weights, causal_mask
+import attention
+from attention import attention_weights, causal_mask
 from configurator import at_least, configure
 from ar import answer_positions, load_model, make_data
 
@@ -98,7 +99,7 @@ def offsets(model, x, pairs):
 def truncated_mix(attn, keep):
     """A replacement for attn.mix whose weights are keep(W) (B, H, T, T) of the layer's own weights W."""
     def mix(q, k, v):
-        w = keep(attention_weights(q, k, attn.fmap, True, EPS))
+        w = keep(attention_weights(q, k, attn.fmap, True, attention.EPS))
         return (w @ v.float()).to(v.dtype)
     return mix
 
@@ -109,7 +110,7 @@ def band(w, width):
     i = torch.arange(T)
     near = (i[:, None] - i[None, :] < width) & causal_mask(T)
     w = w * near
-    return w / (w.sum(-1, keepdim=True) + EPS)
+    return w / (w.sum(-1, keepdim=True) + attention.EPS)
 
 
 def layer0_variants(T):

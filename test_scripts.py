@@ -4,6 +4,8 @@ checkpoints, resume, decoding, and one-line refusals of bad input (associative r
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
+import ast
+import importlib
 import json
 import os
 import re
@@ -327,6 +329,17 @@ def test_bad_names_and_values_are_refused_before_any_work(script, args, message,
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not os.listdir(tmp_path)  # nothing written
 
+
+@pytest.mark.parametrize("script", ["train_ar.py", "train_gpt.py", "convert.py", "decode.py", "fidelity.py",
+                                    "plot_ar.py", "probe_ar.py", "oal_budget.py"])
+def test_the_settings_are_the_config_block_and_nothing_else(script):
+    """--key=value takes exactly the names the config block assigns: an imported constant (a float, say)
+    would otherwise be a setting that --help lists and that a flag changes without effect."""
+    source = open(os.path.join(HERE, script)).read()
+    block = source.split("# ---- config")[1].split("# -----------")[0]
+    names = [node.targets[0].id for node in ast.parse(block.split("\n", 1)[1]).body]
+    module = importlib.import_module(script[:-3])
+    assert list(module.config) == names
 
 @needs_tokenizer
 @pytest.mark.parametrize("content,message", [(b"\x00\xff\xfe binary", "not UTF-8 text"), (b"", "is empty"),
