@@ -11,7 +11,8 @@ Unknown keys and values of the wrong type are rejected with a message listing wh
 The scripts then check their values before any work, each with a one-line error: at_least() for sizes
 and counts, positive() for rates, choices() for comma-separated names from a fixed set, integers()
 for comma-separated integers.
-pick_device() resolves the scripts' device = "auto"; pyplot() imports matplotlib only when it is there.
+pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
+imports matplotlib only when it is there.
 """
 import ast
 import sys
@@ -127,8 +128,16 @@ def layer_list(cfg, n_layers):
 
 
 def pick_device(name="auto"):
-    """'auto' -> cuda, then mps, then cpu; any other name is used as given."""
+    """'auto' -> cuda, then mps, then cpu; any other name must be a device this machine has."""
     if name != "auto":
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            sys.exit(f"error: --device={name} is not a device name; valid: auto, cpu, cuda, cuda:<index>, mps")
+        have = {"cpu": 1, "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                "mps": int(bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()))}
+        if (dev.index or 0) >= have.get(dev.type, 0):
+            sys.exit(f"error: --device={name}: this machine or PyTorch build has no such device; try --device=auto")
         return name
     if torch.cuda.is_available():
         return "cuda"

@@ -235,6 +235,8 @@ def check(cfg):
         raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
     if not 0 <= cfg["dropout"] < 1 or cfg["warmup"] >= 1:
         raise SystemExit("error: --dropout and --warmup are fractions below 1")
+    if not 0 < cfg["target_acc"] <= 1:
+        raise SystemExit(f"error: --target_acc={cfg['target_acc']} is out of range: a fraction in (0, 1]")
 
 
 def main(cfg):
