@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
-from configurator import at_least, choices, configure, integers, pyplot
+from configurator import at_least, choices, configure, integers, pyplot, sizes
 from feature_maps import make_feature_map
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
@@ -184,7 +184,7 @@ def device_report(cfg):
     if dev == "cuda" and cfg["check"] == "all":
         worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
     elif dev == "cuda":  # "timed": the sizes the timings below use (fewer kernels to compile)
-        dims = sorted({int(shape.split("x")[2]) for shape in cfg["shapes"].split(",")})
+        dims = sorted({D for _, _, D in sizes(cfg, "shapes", 3)})
         fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
         worst = check(dev, list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
                       [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
@@ -203,8 +203,8 @@ def device_report(cfg):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     rows = []
-    for shape in cfg["shapes"].split(","):
-        B, H, D = (int(x) for x in shape.split("x"))
+    for B, H, D in sizes(cfg, "shapes", 3):
+        shape = f"{B}x{H}x{D}"
         for family in choices(cfg, "families", FAMILIES):
             F_, SQ = FAMILIES[family][0](D), FAMILIES[family][1]
             for T in integers(cfg, "lengths", 1):
@@ -276,7 +276,7 @@ def closed_form(cfg):
     rows = []
     print(f"{'map':<10} {'B x H x T x D':>16} {'what':<28} {'features ms':>12} {'closed form ms':>15}")
     for name in ("taylor", "quadratic", "oal"):
-        shapes = [tuple(int(x) for x in shape.split("x")) for shape in cfg["closed_form_shapes"].split(",")]
+        shapes = sizes(cfg, "closed_form_shapes", 4)
         for (B, H, T, D), what in [(shapes[0], "scores")] + [(shape, "chunked attention") for shape in shapes]:
             torch.manual_seed(0)
             fmap = make_feature_map(name, D, H).to(dev)
@@ -369,6 +369,10 @@ if __name__ == "__main__":
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
     choices(cfg, "check", ("all", "timed"))
+    choices(cfg, "families", FAMILIES)  # every list is checked here, before any work, whichever mode uses it
+    sizes(cfg, "shapes", 3)
+    sizes(cfg, "closed_form_shapes", 4)
+    integers(cfg, "lengths", 1)
     if cfg["report"]:
         device_report(cfg)
         raise SystemExit(0)

@@ -10,7 +10,7 @@ without running it; its settings are checked the same way and apply in order wit
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
 The scripts then check their values before any work, each with a one-line error: at_least() for sizes
 and counts, positive() for rates, choices() for comma-separated names from a fixed set, integers()
-for comma-separated integers.
+for comma-separated integers, sizes() for comma-separated sizes like 1x12x64.
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
 imports matplotlib only when it is there.
 """
@@ -111,6 +111,17 @@ def integers(cfg, key, low=0):
         sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers")
     if not values or min(values) < low:
         sys.exit(f"error: --{key}={cfg[key]!r} must list integers >= {low}")
+    return values
+
+
+def sizes(cfg, key, n):
+    """Setting `key`'s comma-separated sizes of n integers >= 1 joined by x (e.g. 1x12x64), as tuples."""
+    try:
+        values = [tuple(int(x) for x in size.split("x")) for size in str(cfg[key]).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(len(v) != n or min(v) < 1 for v in values):
+        sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of sizes like {'x'.join('8' * n)}")
     return values
 
 

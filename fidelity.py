@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
-from configurator import at_least, configure, layer_list, positive, pyplot
+from configurator import at_least, configure, integers, layer_list, positive, pyplot
 from oal_groups import contribution_scores
 from gpt import load_text
 
@@ -139,6 +139,7 @@ def main(cfg):
     at_least(cfg, 1, "seq_len", "calib", "val", "test", "window")
     at_least(cfg, 0, "steps", "sentences")
     positive(cfg, "lr")
+    lengths = integers(cfg, "lengths", 1)
     names = cfg["maps"].split(",")
     convert_names = [n for n in cfg["convert_maps"].split(",") if n]
     valid = ATTENTIONS[1:]  # every feature map, swa and lolcats
@@ -150,7 +151,7 @@ def main(cfg):
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
     layer_ids = layer_list(cfg, L)
-    lengths = [T for T in (int(t) for t in cfg["lengths"].split(",") if t) if T <= model.block_size]
+    lengths = [T for T in lengths if T <= model.block_size]
 
     text = load_text(cfg["text"])
     cut = int(0.8 * len(text))

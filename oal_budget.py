@@ -24,7 +24,7 @@ import torch
 
 import distill
 import pretrained
-from configurator import configure, layer_list, pyplot
+from configurator import at_least, configure, integers, layer_list, positive, pyplot
 from feature_maps import OAL
 from oal_groups import contribution_scores, find_groups
 from gpt import load_text
@@ -63,11 +63,14 @@ def calibrate(groups, max_groups, attn, calib_qkv, val_qkv, cfg):
 def main(cfg):
     t0 = time.time()
     torch.manual_seed(cfg["seed"])
+    at_least(cfg, 1, "seq_len", "calib", "test", "val")
+    at_least(cfg, 0, "steps")
+    positive(cfg, "lr")
+    budgets = integers(cfg, "budgets", 1)
     net, encode, special = pretrained.load(cfg["model"])
     net.requires_grad_(False)
     L, D = len(net.blocks), net.blocks[0].attn.head_dim
     layer_ids = layer_list(cfg, L)
-    budgets = [int(g) for g in cfg["budgets"].split(",")]
     corpus = load_text(cfg["text"])
     cut = int(0.8 * len(corpus))
     gen = torch.Generator().manual_seed(cfg["seed"])
