@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
-from configurator import at_least, configure, integers, layer_list, positive, pyplot
+from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot
 from oal_groups import contribution_scores
 from gpt import load_text
 
@@ -140,11 +140,8 @@ def main(cfg):
     at_least(cfg, 0, "steps", "sentences")
     positive(cfg, "lr")
     lengths = integers(cfg, "lengths", 1)
-    names = cfg["maps"].split(",")
+    names = choices(cfg, "maps", ATTENTIONS[1:])  # every feature map, swa and lolcats
     convert_names = [n for n in cfg["convert_maps"].split(",") if n]
-    valid = ATTENTIONS[1:]  # every feature map, swa and lolcats
-    if set(names + convert_names) - set(valid):
-        raise SystemExit(f"error: unknown maps {sorted(set(names + convert_names) - set(valid))}; valid: {', '.join(valid)}")
     if set(convert_names) - set(names):
         raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
     model, encode, special = pretrained.load(cfg["model"])

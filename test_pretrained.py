@@ -165,5 +165,5 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
 
 
 def test_fidelity_rejects_bad_settings():
-    for args, message in ((["--maps=nope"], "unknown maps"), (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
+    for args, message in ((["--maps=elu,nope"], "--maps: unknown nope; valid: swa, lolcats, elu"), (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
         assert message in run_script("fidelity.py", *args, ok=False)
