@@ -243,6 +243,9 @@ def main(cfg):
     check(cfg)
     names = choices(cfg, "attentions", ["softmax", *FEATURE_MAPS, *VARIANTS])
     seeds, sizes = integers(cfg, "seeds"), integers(cfg, "features")
+    if 1 in sizes:  # a q/k head is at least 2 wide
+        raise SystemExit(f"error: --features={cfg['features']!r}: each F must be 0 (the q/k head d_model / n_head) "
+                         "or at least 2")
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     os.makedirs(cfg["out_dir"], exist_ok=True)
