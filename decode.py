@@ -107,13 +107,13 @@ def time_gpt(name, cfg, dev):
 
 
 def main(cfg):
+    names = choices(cfg, "attentions", ATTENTIONS)
+    lengths = integers(cfg, "contexts", 1)
+    at_least(cfg, 1, "heads", "head_dim", "tokens", "threads", "window", "gpt_tokens")
     dev = pick_device(cfg["device"])
     if dev == "cpu":
         torch.set_num_threads(cfg["threads"])
     where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({torch.get_num_threads()} thread)"
-    names = choices(cfg, "attentions", ATTENTIONS)
-    lengths = integers(cfg, "contexts", 1)
-    at_least(cfg, 1, "heads", "head_dim", "tokens", "threads", "window", "gpt_tokens")
     records = []
     print(f"part 1: one layer, {cfg['heads']} heads of {cfg['head_dim']}, batch 1, one new token; {where}")
     print(f"{'attention':<10} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")

@@ -170,6 +170,8 @@ def load(name):
 def windows(ids, n, T, special, gen):
     """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT."""
     inner = T - (2 if special else 0)
+    if len(ids) <= inner:
+        raise SystemExit(f"error: the text has {len(ids)} tokens, too few for windows of {T}; try a shorter --seq_len")
     starts = torch.randint(0, len(ids) - inner, (n,), generator=gen)
     x = torch.stack([ids[s:s + inner] for s in starts.tolist()])
     if special:

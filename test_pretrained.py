@@ -165,5 +165,15 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
 
 
 def test_fidelity_rejects_bad_settings():
-    for args, message in ((["--maps=elu,nope"], "--maps: unknown nope; valid: swa, lolcats, elu"), (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
+    for args, message in ((["--maps=elu,nope"], "--maps: unknown nope; valid: swa, lolcats, elu"),
+                          (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
         assert message in run_script("fidelity.py", *args, ok=False)
+
+
+@needs_minilm
+@pytest.mark.parametrize("script", ["fidelity.py", "oal_budget.py"])
+def test_windows_that_do_not_fit_the_model_or_the_text_are_refused(script, tmp_path):
+    (tmp_path / "short.txt").write_text("a few words of text, " * 4)
+    for args, message in ((["--seq_len=513"], "--seq_len=513 is longer than the model's 512 positions"),
+                          ([f"--text={tmp_path / 'short.txt'}"], "tokens, too few for windows of 64; try a shorter")):
+        assert message in run_script(script, *args, ok=False)

@@ -323,6 +323,8 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("convert.py", ["--window=0"], "--window=0 is out of range"),
     ("decode.py", ["--attentions=foo"], "--attentions: unknown foo"),
     ("decode.py", ["--heads=0"], "--heads=0 is out of range"),
+    ("decode.py", ["--threads=0"], "--threads=0 is out of range"),
+    ("train_gpt.py", ["--min_lr=-1"], "--min_lr=-1.0 is out of range"),
     ("bench_kernel.py", ["--lengths=1k"], "not a comma-separated list of integers"),
     ("bench_kernel.py", ["--report=true", "--families=hedgehog,foo"], "--families: unknown foo; valid: hedgehog"),
     ("bench_kernel.py", ["--shapes=1x12"], "--shapes='1x12' is not a comma-separated list of sizes like 8x8x8"),

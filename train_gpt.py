@@ -80,7 +80,7 @@ def main(cfg):
     choices(cfg, "init_from", ("scratch", "resume"))
     choices(cfg, "attention", ATTENTIONS)
     at_least(cfg, 1, "n_layer", "n_head", "d_model", "block_size", "batch_size", "eval_interval", "eval_iters")
-    at_least(cfg, 0, "max_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "weight_decay")
+    at_least(cfg, 0, "max_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "weight_decay", "min_lr")
     positive(cfg, "lr")
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
