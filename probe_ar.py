@@ -185,9 +185,14 @@ def main(cfg):
     x, y = x[:cfg["num"]], y[:cfg["num"]]
     pairs = run["seq_len"] // 2 if run["format"] == "h3" else (run["seq_len"] - 1) // 2
     n_keys = (run["vocab_size"] - 2) // 2 if run["format"] == "h3" else run["vocab_size"] // 2
-    print(f"{ckpt['run']} seed {ckpt['seed']} after {ckpt['epochs']} epochs, {len(x)} test sequences")
+    print(f"{ckpt['run']} seed {ckpt['seed']} after {ckpt['epochs']} epochs, {len(x)} test sequences; "
+          "the weights by offset and by pair", flush=True)
     result = {"model": cfg["model"], "run": ckpt["run"], "seed": ckpt["seed"], "epochs": ckpt["epochs"], "num": len(x),
-              **offsets(net, x, pairs), "truncation": truncation(net, x, y, pairs), "probe": probe(net, x, pairs, n_keys)}
+              **offsets(net, x, pairs)}
+    print(f"accuracy with layer 0's weights replaced, {len(layer0_variants(2))} ways", flush=True)
+    result["truncation"] = truncation(net, x, y, pairs)
+    print("linear probes of layer 1's input", flush=True)
+    result["probe"] = probe(net, x, pairs, n_keys)
     print("layer 0, mean weight d tokens back from a value (second half; a uniform row gives "
           f"{result['uniform']:.4f}):")
     print("  " + "  ".join(f"{d}: {max(w):.3f}" for d, w in zip(OFFSETS, result["layer0"])))
