@@ -374,6 +374,8 @@ class OAL(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
         super().__init__(head_dim, num_heads)
+        if max_groups < 1:
+            raise ValueError(f"oal: max_groups must be at least 1, got {max_groups}")
         self.D, self.G, self.eps = head_dim, max_groups, eps
         L = torch.zeros(num_heads, max_groups + 1, max_groups + 1)
         L[:, 0, 0] = 1.0
@@ -447,4 +449,6 @@ def make_feature_map(name, head_dim, num_heads=1, **kwargs):
     t=2 for exp, mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; valid names: {', '.join(FEATURE_MAPS)}")
+    if head_dim < 1 or num_heads < 1:
+        raise ValueError(f"{name}: head_dim and num_heads must be at least 1, got {head_dim} and {num_heads}")
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)
