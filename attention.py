@@ -181,8 +181,11 @@ def linear_attention_step(qf_t, kf_t, v_t, state=None, eps=EPS):
 # swa, the window-only baseline, is the same with no features (F = 0): g cancels.
 
 
-def _gate(gate, like):
-    """g as a tensor that broadcasts over (B, H, T, T'): a float, or one value per head (H,)."""
+def _gate(gate, like, window):
+    """g as a tensor that broadcasts over (B, H, T, T'): a float, or one value per head (H,). Every form of
+    the hybrid starts here, so the window is checked here too: w = 0 would leave softmax an empty row."""
+    if window < 1:
+        raise ValueError(f"the window must be at least 1 token, got {window}")
     return torch.as_tensor(gate, dtype=like.dtype, device=like.device).reshape(-1, 1, 1)
 
 
@@ -202,7 +205,7 @@ def hybrid_weights(q, k, qf, kf, window, gate, causal=True):
     d = pos[:, None] - pos[None, :]  # (T, T): i - j
     in_window = (d >= 0) & (d < window) if causal else d.abs() < window
     in_linear = d >= window if causal else d.abs() >= window
-    a = _gate(gate, q) * _window_scores(q, k, in_window) + (qf @ kf.transpose(-1, -2)) * in_linear
+    a = _gate(gate, q, window) * _window_scores(q, k, in_window) + (qf @ kf.transpose(-1, -2)) * in_linear
     return a / a.sum(-1, keepdim=True)
 
 
@@ -218,7 +221,7 @@ def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
     through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
     q, k, qf, kf, vf = (_fp32(x) for x in (q, k, qf, kf, v))
     B, H, T, _ = q.shape
-    C, g = max(chunk, window), _gate(gate, q)
+    C, g = max(chunk, window), _gate(gate, q, window)
     S = q.new_zeros(B, H, qf.shape[-1], vf.shape[-1])  # the chunks before the previous one
     z = q.new_zeros(B, H, qf.shape[-1], 1)
     ys = []
@@ -256,7 +259,7 @@ def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
         S = S + feats[:, :, :1].transpose(-1, -2) @ values[:, :, :1]
         z = z + feats[:, :, :1].transpose(-1, -2)
         keys, values, feats = keys[:, :, 1:], values[:, :, 1:], feats[:, :, 1:]
-    a = _gate(gate, q) * _window_scores(q, keys, torch.ones(1, keys.shape[2], dtype=torch.bool, device=q.device))  # (B, H, 1, n)
+    a = _gate(gate, q, window) * _window_scores(q, keys, torch.ones(1, keys.shape[2], dtype=torch.bool, device=q.device))  # (B, H, 1, n)
     y = (a @ values + qf @ S) / (a.sum(-1, keepdim=True) + qf @ z)  # (B, H, 1, Dv)
     return y[:, :, 0].to(v_t.dtype), {"k": keys, "v": values, "kf": feats, "S": S, "z": z}
 

@@ -229,6 +229,15 @@ def test_swa_is_softmax_over_the_last_w_tokens():
         assert torch.allclose(x, r, rtol=1e-9, atol=1e-10)
 
 
+def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no key: NaN rows
+    q, k, v = qkv(T=8)
+    for form in (lambda: hybrid_attention_quadratic(q, k, q, k, v, 0, 1.0), lambda: hybrid_attention(q, k, q, k, v, 0, 1.0),
+                 lambda: hybrid_attention_step(q[:, :, 0], k[:, :, 0], q[:, :, 0], k[:, :, 0], v[:, :, 0], 0, 1.0),
+                 lambda: sliding_window_attention(q, k, v, 0)):
+        with pytest.raises(ValueError, match="the window must be at least 1 token, got 0"):
+            form()
+
+
 def test_the_window_max_sets_the_balance_of_the_two_parts():
     """m_i comes from the window alone, so the window's share of a row does not depend on the scale of
     its scores: with w equal window keys, the window's terms are all exactly g and its share is
