@@ -449,6 +449,4 @@ def make_feature_map(name, head_dim, num_heads=1, **kwargs):
     t=2 for exp, mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; valid names: {', '.join(FEATURE_MAPS)}")
-    if head_dim < 1 or num_heads < 1:
-        raise ValueError(f"{name}: head_dim and num_heads must be at least 1, got {head_dim} and {num_heads}")
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)

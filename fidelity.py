@@ -148,8 +148,7 @@ def main(cfg):
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
     layer_ids = layer_list(cfg, L)
-    if cfg["seq_len"] > model.block_size:
-        raise SystemExit(f"error: --seq_len={cfg['seq_len']} is longer than the model's {model.block_size} positions")
+    pretrained.check_length(model, cfg["seq_len"])
     lengths = [T for T in lengths if T <= model.block_size]
 
     text = load_text(cfg["text"])

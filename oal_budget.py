@@ -71,8 +71,7 @@ def main(cfg):
     net.requires_grad_(False)
     L, D = len(net.blocks), net.blocks[0].attn.head_dim
     layer_ids = layer_list(cfg, L)
-    if cfg["seq_len"] > net.block_size:
-        raise SystemExit(f"error: --seq_len={cfg['seq_len']} is longer than the model's {net.block_size} positions")
+    pretrained.check_length(net, cfg["seq_len"])
     corpus = load_text(cfg["text"])
     cut = int(0.8 * len(corpus))
     gen = torch.Generator().manual_seed(cfg["seed"])

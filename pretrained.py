@@ -5,6 +5,7 @@ behind their attention (Hedgehog Sec. 5.1, 5.3-5.4; OAL Sec. 5.1-5.2).
     model, tok = load_minilm()        # all-MiniLM-L6-v2, offline: BERT, 6 layers, 12 heads of 32, bidirectional
     model, encode, special = load("minilm")   # either model by name, with encode(text) -> ids, for the scripts
     x = windows(ids, n, T, special, generator) # n random windows of T tokens ([CLS] ... [SEP] for BERT)
+    check_length(model, T)            # a one-line error when the model has fewer than T positions
     model, tok = load_gpt2("gpt2")    # GPT-2 124M through `transformers` (downloads once; online)
 
 Both models are built from attention.MultiHeadAttention (separate q, k, v, o projections), so
@@ -165,6 +166,12 @@ def load(name):
         return model, encode, None
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def check_length(model, T):
+    """Refuse, in one line, windows of T tokens that the model has no positions for."""
+    if T > model.block_size:
+        raise SystemExit(f"error: --seq_len={T} is longer than the model's {model.block_size} positions")
 
 
 def windows(ids, n, T, special, gen):
