@@ -6,9 +6,12 @@ runs, and merges several files into one table, e.g. seeds trained at different t
 
     python plot_ar.py --runs=results/ar.json
     python plot_ar.py --runs=results/ar_a/ar.json,results/ar_b/ar.json --out_dir=results/ar_ab
+    python plot_ar.py --runs='results/ar_*/ar.json' --out_dir=results/ar_all     (a pattern: every match, sorted)
 
 Files are merged only when their runs were trained with the same settings (all but the attentions,
-seeds and feature sizes asked, and where they ran), and each (attention, F, seed) appears once.
+seeds and feature sizes asked, where they ran, and the time cap), and each (attention, F, seed) appears
+once, unless one of its runs is the other carried on for more epochs (a rerun with a longer --max_minutes,
+the same accuracy epoch for epoch as far as the shorter went): then the longer one is kept.
 
 The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
 The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
@@ -16,6 +19,7 @@ Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig
 (accuracy against training steps), ar_heads.png (the previous-token and answer heads forming, epoch by
 epoch) and, when F varies, ar_capacity.png (Zoology Fig. 2).
 """
+import glob
 import json
 import os
 
@@ -24,14 +28,15 @@ import torch
 from configurator import configure, pyplot
 
 # ---- config: plain values, override with --key=value ----
-runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py
+runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
 out_dir = ""  # where the table and figures go; "": the folder of the first file
 plots = True
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
-# settings that may differ between merged files: what was trained and where, not how
-FREE = {"attentions", "seeds", "features", "out_dir", "plots", "device", "workers"}
+# settings that may differ between merged files: what was trained and kept, where, and for how long, not how
+# (the table gives each row's epochs)
+FREE = {"attentions", "seeds", "features", "out_dir", "plots", "save_models", "device", "workers", "max_minutes"}
 
 
 def summarize(records):
@@ -41,7 +46,7 @@ def summarize(records):
     for r in records:
         rows.setdefault((r["attention"], r["features"]), []).append(r)
     lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'seeds':>5} {'test acc':>14} {'retr. entropy':>13} "
-             f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'seconds':>7}"]
+             f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'epochs':>6} {'seconds':>7}"]
     for (name, F_), rs in rows.items():
         def ms(key, fmt):
             vals = torch.tensor([float(r[key]) for r in rs])
@@ -50,9 +55,11 @@ def summarize(records):
         got = [r["steps_to_50"] for r in rs if r["steps_to_50"] is not None]
         steps = f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
         heads = ",".join(sorted({f"{r['retrieval_layer']}.{r['retrieval_head']}" for r in rs}))
+        epochs = sorted({r["epochs"] for r in rs})
+        epochs = f"{epochs[0]}-{epochs[-1]}" if len(epochs) > 1 else str(epochs[0])
         lines.append(f"{name:<12} {F_:>4} {rs[0]['qk_dim']:>3} {rs[0]['state_size']:>6} {len(rs):>5} "
                      f"{ms('test_acc', '{:.3f}'):>14} {ms('retrieval_entropy', '{:.2f}'):>13} "
-                     f"{ms('target_mass', '{:.2f}'):>13} {heads:>4} {steps:>13} {ms('seconds', '{:.0f}'):>7}")
+                     f"{ms('target_mass', '{:.2f}'):>13} {heads:>4} {steps:>13} {epochs:>6} {ms('seconds', '{:.0f}'):>7}")
     return "\n".join(lines)
 
 
@@ -208,8 +215,16 @@ def load(paths):
                                  f"{said(settings[0], k)} against {said(cfg, k)}")
             key = (r["attention"], r["features"], r["seed"])
             if key in seen:
-                raise SystemExit(f"error: {r['attention']} F={r['features']} seed {r['seed']} is in both {seen[key]} and {path}")
-            seen[key] = path
+                i, before = seen[key]
+                (short, _), (long, kept) = sorted(((records[i], before), (r, path)), key=lambda x: x[0]["epochs"])
+                name = f"{r['attention']} F={r['features']} seed {r['seed']}"
+                carried_on = long["test_acc_per_epoch"][:short["epochs"]] == short["test_acc_per_epoch"]
+                if long["epochs"] == short["epochs"] or not carried_on:
+                    raise SystemExit(f"error: {name} is in both {before} and {path}, and neither run carries on the other")
+                print(f"{name}: the {long['epochs']}-epoch run carries on the {short['epochs']}-epoch one; kept from {kept}")
+                records[i], seen[key] = long, (i, kept)
+                continue
+            seen[key] = (len(records), path)
             records.append(r)
     if not records:
         raise SystemExit(f"error: no finished runs in {', '.join(paths)}")
@@ -218,7 +233,12 @@ def load(paths):
 
 if __name__ == "__main__":
     cfg = configure(config)
-    paths = [p for p in cfg["runs"].split(",") if p]
+    paths = []
+    for p in filter(None, cfg["runs"].split(",")):
+        found = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
+        if not found:
+            raise SystemExit(f"error: --runs: no file matches {p}")
+        paths += found
     if not paths:
         raise SystemExit("error: --runs: give one or more ar.json files, comma-separated")
     out = cfg["out_dir"] or os.path.dirname(paths[0]) or "."

@@ -349,11 +349,12 @@ def test_train_ar_divergence_is_recorded_and_fails(tmp_path):
 
 
 def test_plot_ar_merges_runs_made_apart(tmp_path):
-    """Seeds trained in one run, split into two files and merged by plot_ar.py, give that run's own
-    table, with the mean and spread over both seeds; files of another experiment, a run twice, or a
-    file that is not an ar.json are refused in one line."""
+    """Seeds trained in one run, split into two files and merged by plot_ar.py (named, or by a pattern),
+    give that run's own table, with the mean and spread over both seeds; a run cut short by a time cap
+    gives way to the same run carried on. Files of another experiment, a run twice, two runs of one
+    seed that part ways, a file that is not an ar.json or a pattern that matches none are refused in one line."""
     run_script("train_ar.py", "--attentions=softmax,elu", "--seeds=0,1", "--num_train=64", "--num_test=16",
-               "--seq_len=16", "--epochs=1", "--workers=1", "--plots=false", f"--out_dir={tmp_path}")
+               "--seq_len=16", "--epochs=2", "--workers=1", "--plots=false", f"--out_dir={tmp_path}")
     records = json.load(open(tmp_path / "ar.json"))
     for seed in (0, 1):
         json.dump([r for r in records if r["seed"] == seed], open(tmp_path / f"seed{seed}.json", "w"))
@@ -365,13 +366,23 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     assert f"{softmax.mean():.3f} ± {softmax.std():.3f}" in table.splitlines()[1]
     assert (merged / "ar_entropy.png").exists() and (merged / "ar_curves.png").exists()
 
+    # seed 1 as a 1-epoch run stopped by a time cap, then the same run carried on to 2 epochs (out of order)
+    cut = lambda r: dict(r, epochs=1, test_acc_per_epoch=r["test_acc_per_epoch"][:1], config=dict(r["config"], max_minutes=1))
+    json.dump([cut(r) for r in records if r["seed"] == 1], open(tmp_path / "seed1_cut.json", "w"))
+    run_script("plot_ar.py", f"--runs={tmp_path / 'seed*.json'}", f"--out_dir={merged}", "--plots=false")
+    assert (merged / "ar_summary.txt").read_text() == table
+
     other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
     json.dump(other, open(tmp_path / "other.json", "w"))
+    parted = [dict(r, test_acc_per_epoch=[-1.0, -1.0]) for r in records if r["seed"] == 1]
+    json.dump(parted, open(tmp_path / "parted.json", "w"))
     json.dump({"rows": []}, open(tmp_path / "kernel.json", "w"))
     for runs, message in ([("seed0", "other"), "trained with different settings: lr=0.003 against lr=1.0"],
                           [("seed0", "seed0"), "softmax F=64 seed 0 is in both"],
+                          [("seed1_cut", "parted"), "softmax F=64 seed 1 is in both"],
                           [("kernel",), "is not an ar.json of train_ar.py"],
-                          [("missing",), "cannot read"]):
+                          [("missing",), "cannot read"],
+                          [("missing*",), "no file matches"]):
         err = run_script("plot_ar.py", "--runs=" + ",".join(str(tmp_path / f"{n}.json") for n in runs),
                          f"--out_dir={tmp_path / 'refused'}", ok=False)
         assert message in err and len(err.strip().splitlines()) == 1, err
