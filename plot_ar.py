@@ -216,12 +216,13 @@ def load(paths):
             key = (r["attention"], r["features"], r["seed"])
             if key in seen:
                 i, before = seen[key]
-                (short, _), (long, kept) = sorted(((records[i], before), (r, path)), key=lambda x: x[0]["epochs"])
+                short, long = sorted((records[i], r), key=lambda x: x["epochs"])
+                kept = path if long is r else before
                 name = f"{r['attention']} F={r['features']} seed {r['seed']}"
-                carried_on = long["test_acc_per_epoch"][:short["epochs"]] == short["test_acc_per_epoch"]
-                if long["epochs"] == short["epochs"] or not carried_on:
+                n = short["epochs"]
+                if long["epochs"] == n or long["test_acc_per_epoch"][:n] != short["test_acc_per_epoch"]:
                     raise SystemExit(f"error: {name} is in both {before} and {path}, and neither run carries on the other")
-                print(f"{name}: the {long['epochs']}-epoch run carries on the {short['epochs']}-epoch one; kept from {kept}")
+                print(f"{name}: the {long['epochs']}-epoch run carries on the {n}-epoch one; kept from {kept}")
                 records[i], seen[key] = long, (i, kept)
                 continue
             seen[key] = (len(records), path)

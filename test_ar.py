@@ -366,11 +366,12 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     assert f"{softmax.mean():.3f} ± {softmax.std():.3f}" in table.splitlines()[1]
     assert (merged / "ar_entropy.png").exists() and (merged / "ar_curves.png").exists()
 
-    # seed 1 as a 1-epoch run stopped by a time cap, then the same run carried on to 2 epochs (out of order)
+    # seed 1 as a 1-epoch run stopped by a time cap, and the same run carried on to 2 epochs, in either order
     cut = lambda r: dict(r, epochs=1, test_acc_per_epoch=r["test_acc_per_epoch"][:1], config=dict(r["config"], max_minutes=1))
     json.dump([cut(r) for r in records if r["seed"] == 1], open(tmp_path / "seed1_cut.json", "w"))
-    run_script("plot_ar.py", f"--runs={tmp_path / 'seed*.json'}", f"--out_dir={merged}", "--plots=false")
-    assert (merged / "ar_summary.txt").read_text() == table
+    for runs in (tmp_path / "seed*.json", ",".join(str(tmp_path / f"{n}.json") for n in ("seed0", "seed1_cut", "seed1"))):
+        run_script("plot_ar.py", f"--runs={runs}", f"--out_dir={merged}", "--plots=false")
+        assert (merged / "ar_summary.txt").read_text() == table
 
     other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
     json.dump(other, open(tmp_path / "other.json", "w"))
