@@ -9,7 +9,7 @@ runs, and merges several files into one table, e.g. seeds trained at different t
     python plot_ar.py --runs='results/ar_*/ar.json' --out_dir=results/ar_all     (a pattern: every match, sorted)
 
 Files are merged only when their runs were trained with the same settings (all but the attentions,
-seeds and feature sizes asked, where they ran, and the time cap), and each (attention, F, seed) appears
+seeds and feature sizes asked, where they ran, the time cap and --init_from), and each (attention, F, seed) appears
 once, unless one of its runs is the other carried on for more epochs (a rerun with a longer --max_minutes,
 the same accuracy epoch for epoch as far as the shorter went): then the longer one is kept.
 
@@ -36,7 +36,16 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 
 # settings that may differ between merged files: what was trained and kept, where, and for how long, not how
 # (the table gives each row's epochs)
-FREE = {"attentions", "seeds", "features", "out_dir", "plots", "save_models", "device", "workers", "max_minutes"}
+FREE = {"attentions", "seeds", "features", "out_dir", "plots", "save_models", "device", "workers", "max_minutes",
+        "init_from"}
+
+
+def first_difference(a, b):
+    """The first setting outside FREE in which the configs a and b differ, as ("k=a's value", "k=b's value"),
+    or None if they agree."""
+    said = lambda c, k: f"{k}={c[k]!r}" if k in c else f"{k} not recorded"
+    keys = sorted(k for k in a.keys() | b.keys() if k not in FREE)
+    return next(((said(a, k), said(b, k)) for k in keys if said(a, k) != said(b, k)), None)
 
 
 def summarize(records):
@@ -205,14 +214,11 @@ def load(paths):
             if "stopped" in r:
                 print(f"{path}: {r['attention']} seed {r['seed']} stopped ({r['stopped']}): left out")
                 continue
-            cfg = {k: v for k, v in r["config"].items() if k not in FREE}
             if settings is None:
-                settings = (cfg, path)
-            elif cfg != settings[0]:
-                said = lambda c, k: f"{k}={c[k]!r}" if k in c else f"{k} not recorded"
-                k = next(k for k in sorted(cfg.keys() | settings[0].keys()) if said(cfg, k) != said(settings[0], k))
+                settings = (r["config"], path)
+            elif diff := first_difference(settings[0], r["config"]):
                 raise SystemExit(f"error: {settings[1]} and {path} were trained with different settings: "
-                                 f"{said(settings[0], k)} against {said(cfg, k)}")
+                                 f"{diff[0]} against {diff[1]}")
             key = (r["attention"], r["features"], r["seed"])
             if key in seen:
                 i, before = seen[key]

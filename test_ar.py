@@ -215,6 +215,33 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
         ar.load_model(tmp_path / "gpt.pt")
 
 
+def test_train_ar_resume_carries_a_run_on_exactly(tmp_path):
+    """A run stopped by its time cap after epoch 1 and carried on (--init_from=resume) is the run that was never
+    stopped: the same record to the last digit (dropout and the shuffle draw from restored random states,
+    AdamW and the warm-up schedule go on from their restored states), its time aside. A file with other settings, or with a model only,
+    is a one-line error; a finished run is not trained further."""
+    data = (*ar.make_ar_data(64, seed=1), *ar.make_ar_data(16, seed=2))
+    cfg = dict(train_ar.config, epochs=3, batch_size=16, eval_every=3, target_acc=2.0, dropout=0.1, warmup=0.5,
+               save_models=True)
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    straight = train_ar.train_one("hedgehog", 16, 0, data, dict(cfg, out_dir=str(tmp_path / "a")), "cpu")
+    cut = dict(cfg, out_dir=str(tmp_path / "b"), max_minutes=1e-9)
+    assert train_ar.train_one("hedgehog", 16, 0, data, cut, "cpu")["epochs"] == 1
+    carried = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), "cpu")
+    assert carried["seconds"] > 0 and {**carried, "seconds": 0} == {**straight, "seconds": 0}
+    again = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), "cpu")
+    assert {**again, "seconds": 0} == {**straight, "seconds": 0}  # all 3 epochs done: nothing more to train
+    path = tmp_path / "b" / "model_hedgehog_F16_seed0.pt"
+    with pytest.raises(SystemExit, match=r"trained with lr=0.003, not lr=0.001; a run carries on"):
+        train_ar.saved_run(str(path), dict(cut, lr=1e-3, init_from="resume"))
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["train_state"]
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit, match="holds a model but not its optimiser"):
+        train_ar.saved_run(str(path), dict(cut, init_from="resume"))
+
+
 def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     """probe_ar.py on a saved model: the offsets, the weight on keys, on each pair's own key and on the
     first answer are the layers' own weights (loops over them here); the "previous token" truncations

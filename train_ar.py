@@ -38,7 +38,11 @@ Writes out_dir/ar.json, one record per run, rewritten as the runs finish (in ord
 table (ar_summary.txt) and figures: accuracy against the retrieval head's entropy (Fig. 4), its query row on
 one sequence (Fig. 2), the learning curves and, when `features` sweeps, accuracy against state size.
 plot_ar.py redraws them from saved files and merges runs made at different times. With --save_models=true
-each run's final model goes to out_dir too; ar.load_model reads it back, and probe_ar.py looks inside.
+each run's model goes to out_dir too, after every epoch; ar.load_model reads it back, probe_ar.py looks
+inside, and --init_from=resume carries a run on from it, e.g. one stopped by --max_minutes, with a longer cap:
+
+    python train_ar.py config/ar_h3.py --save_models=true --max_minutes=60 --out_dir=results/ar_long
+    python train_ar.py config/ar_h3.py --save_models=true --max_minutes=120 --out_dir=results/ar_long --init_from=resume
 """
 import json
 import os
@@ -50,8 +54,8 @@ import torch.nn.functional as F
 from ar import ARModel, answer_positions, evaluate, lookup_stats, make_data
 from configurator import at_least, choices, configure, integers, pick_device, positive
 from feature_maps import FEATURE_MAPS, make_feature_map
-from gpt import save_checkpoint
-from plot_ar import report
+from gpt import load_checkpoint, save_checkpoint
+from plot_ar import first_difference, report
 
 # ---- config: plain values, override with --key=value or a config file ----
 format = "pairs"  # "pairs": k v ... k, one label (Hedgehog App. B.1); "h3": k v ... => k v, every next token (H3)
@@ -75,7 +79,7 @@ weight_decay = 0.1
 warmup = 0.0  # > 0: linear warm-up over this fraction of all steps, then linear decay to 0; 0: constant lr
 patience = 0  # stop after this many epochs after the warm-up without a better `early_stop` (0: no such stop)
 early_stop = "loss"  # what patience watches on the first 500 test sequences: "loss" (Hedgehog App. B.1) or "accuracy"
-max_minutes = 0.0  # per run: stop after the epoch in which this much time has passed (0: no limit)
+max_minutes = 0.0  # per run, its time before a resume too: stop after the epoch in which it passes (0: no limit)
 target_acc = 0.99  # stop when the per-epoch accuracy (on the first 500 test sequences) reaches this (above 1: never)
 eval_every = 25  # training steps between accuracy checks on the first 500 test sequences (the learning curves)
 seeds = "0"  # comma-separated; more than one reports mean and spread
@@ -83,7 +87,9 @@ device = "auto"  # auto: cuda, then mps, then cpu
 workers = 0  # runs in parallel, in processes of one thread each; 0 = one per core on the CPU, one on a GPU
 out_dir = "results"
 plots = True
-save_models = False  # also write each run's final model to out_dir/model_<attention>_F<F>_seed<seed>.pt (load_model)
+save_models = False  # after every epoch, write each run's model, optimiser and random states to
+                     # out_dir/model_<attention>_F<F>_seed<seed>.pt (ar.load_model reads the model back)
+init_from = "scratch"  # or "resume": carry each run on from that file where there is one (same settings, a longer cap)
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
@@ -113,13 +119,56 @@ def state_size(name, F, qk_dim, n_head, d_model, T):
     return n_head * (T * (qk_dim + dv) if name == "softmax" else F * dv + F)
 
 
-def train_one(attention, features, seed, data, cfg, dev):
-    """Train one attention from scratch at `features` features per head; returns its record."""
+def run_sizes(attention, features, cfg):
+    """(map name, its settings, q/k head size, F) of a run of `attention` asked for `features` features."""
     name, kw = VARIANTS.get(attention, (attention, {}))
+    qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
+    return name, kw, qk_dim, feature_size(name, qk_dim, kw)
+
+
+def model_path(attention, features, seed, cfg):
+    """Where --save_models=true writes a run's model and training state."""
+    return os.path.join(cfg["out_dir"], f"model_{attention}_F{run_sizes(attention, features, cfg)[3]}_seed{seed}.pt")
+
+
+def saved_run(path, cfg):
+    """With --init_from=resume, the checkpoint at path to carry a run on from (None when there is none yet), or a
+    one-line error when it cannot be: it holds no training state, or the run had other settings."""
+    if not (cfg["init_from"] == "resume" and os.path.exists(path)):
+        return None
+    ckpt = load_checkpoint(path, "cpu", kind="train_ar")  # on the CPU: the random states must stay there
+    if diff := first_difference(ckpt["config"], cfg):
+        raise SystemExit(f"error: --init_from=resume: {path} was trained with {diff[0]}, not {diff[1]}; "
+                         "a run carries on with the settings it had (the time cap may grow)")
+    if "train_state" not in ckpt:
+        raise SystemExit(f"error: --init_from=resume: {path} holds a model but not its optimiser and random "
+                         "states, so its run cannot carry on; train it again with --init_from=scratch")
+    return ckpt
+
+
+def rng_states(dev):
+    """The random states that dropout draws from: the CPU's and, on a GPU, the GPU's."""
+    kind = torch.device(dev).type
+    gpu = {"cuda": lambda: torch.cuda.get_rng_state(dev), "mps": torch.mps.get_rng_state}
+    return {"cpu": torch.get_rng_state(), **({kind: gpu[kind]()} if kind in gpu else {})}
+
+
+def set_rng_states(states, dev):
+    """Restore what rng_states(dev) returned."""
+    torch.set_rng_state(states["cpu"])
+    kind = torch.device(dev).type
+    if kind == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], dev)
+    if kind == "mps" and "mps" in states:
+        torch.mps.set_rng_state(states["mps"])
+
+
+def train_one(attention, features, seed, data, cfg, dev):
+    """Train one attention from scratch at `features` features per head, or carry its run on from its file
+    (--init_from=resume); returns its record."""
+    name, kw, qk_dim, F_ = run_sizes(attention, features, cfg)
     x_train, y_train, x_test, y_test = (t.to(dev) for t in data)
     T = x_train.shape[1]
-    qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
-    F_ = feature_size(name, qk_dim, kw)
     torch.manual_seed(seed)
     model_args = dict(attention=name, vocab_size=cfg["vocab_size"], seq_len=T, n_layer=cfg["n_layer"],
                       d_model=cfg["d_model"], n_head=cfg["n_head"], mlp_ratio=cfg["mlp_ratio"],
@@ -132,10 +181,28 @@ def train_one(attention, features, seed, data, cfg, dev):
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
                                                  min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
     g = torch.Generator().manual_seed(seed)
-    acc_per_epoch, loss_per_epoch, mass_per_epoch, prev_per_epoch, best, since_best = [], [], [], [], float("inf"), 0
     x_val, y_val = x_test[:500], y_test[:500]  # a quarter of the test set: cheap enough for every epoch and the curves
-    t0, epoch, step, curve = time.time(), 0, 0, [(0, evaluate(model, x_val, y_val)[0])]
-    for epoch in range(1, cfg["epochs"] + 1):
+    path = model_path(attention, features, seed, cfg)
+    ckpt = saved_run(path, cfg)
+    if ckpt:  # everything the next step depends on, as it was after the checkpoint's epoch
+        state = ckpt["train_state"]
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        g.set_state(state["shuffle"])
+        set_rng_states(state["rng"], dev)
+        epoch, step, best, since_best, seconds, log = (state[k] for k in ("epoch", "step", "best", "since_best",
+                                                                          "seconds", "log"))
+        print(f"{attention} F={F_} seed {seed}: carried on from {path} after epoch {epoch}", flush=True)
+    else:
+        epoch, step, best, since_best, seconds = 0, 0, float("inf"), 0, 0.0
+        log = {"test_acc_per_epoch": [], "test_loss_per_epoch": [], "target_mass_per_epoch": [],
+               "prev_mass_per_epoch": [], "curve": [(0, evaluate(model, x_val, y_val)[0])]}
+    t0 = time.time() - seconds
+    while not (epoch == cfg["epochs"] or 0 < cfg["patience"] <= since_best  # a stop after the last epoch
+               or epoch and 0 < cfg["max_minutes"] * 60 < time.time() - t0
+               or log["test_acc_per_epoch"] and log["test_acc_per_epoch"][-1] >= cfg["target_acc"]):
+        epoch += 1
         total = 0.0
         perm = torch.randperm(len(x_train), generator=g)
         for i in range(0, len(perm), cfg["batch_size"]):
@@ -153,24 +220,26 @@ def train_one(attention, features, seed, data, cfg, dev):
             total += loss.item() * len(idx)
             step += 1
             if step % cfg["eval_every"] == 0:
-                curve.append((step, evaluate(model, x_val, y_val)[0]))
+                log["curve"].append((step, evaluate(model, x_val, y_val)[0]))
         if name == "oal" and epoch == 1:
             regroup_oal(model, x_train[:256])
         acc, test_loss = evaluate(model, x_val, y_val)
-        acc_per_epoch.append(acc)
-        loss_per_epoch.append(test_loss)
         mass, _, _, prev = lookup_stats(model, x_val[:100])  # how the two heads the lookup needs are forming
-        mass_per_epoch.append(mass.tolist())
-        prev_per_epoch.append(prev.tolist())
+        for key, value in (("test_acc", acc), ("test_loss", test_loss), ("target_mass", mass.tolist()),
+                           ("prev_mass", prev.tolist())):
+            log[key + "_per_epoch"].append(value)
         watched = test_loss if cfg["early_stop"] == "loss" else -acc  # lower is better; warm-up epochs do not count
         best, since_best = (watched, 0) if watched < best else (best, since_best + (step > warm))
         print(f"{attention} F={F_} seed {seed} | epoch {epoch}: train loss {total / len(x_train):.3f}, "
               f"test loss {test_loss:.3f}, test acc {acc:.3f}, {time.time() - t0:.0f}s | weight on the previous token "
               f"{'/'.join(f'{p:.2f}' for p in prev.amax(1).tolist())} (best head of each layer), "
               f"on the answer {mass.max():.2f}", flush=True)
-        if (acc >= cfg["target_acc"] or 0 < cfg["max_minutes"] * 60 < time.time() - t0
-                or 0 < cfg["patience"] <= since_best):
-            break
+        if cfg["save_models"]:  # after every epoch, so that a run stopped by its time cap or a kill can carry on
+            state = {"optimizer": opt.state_dict(), "schedule": schedule.state_dict(), "shuffle": g.get_state(),
+                     "rng": rng_states(dev), "epoch": epoch, "step": step, "best": best, "since_best": since_best,
+                     "seconds": time.time() - t0, "log": log}
+            save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "config": cfg,
+                             "run": attention, "seed": seed, "epochs": epoch, "train_state": state}, path)
     seconds = time.time() - t0
     mass, ent, rows, prev = lookup_stats(model, x_test[:200])
     if not (mass.isfinite().all() and ent.isfinite().all()):  # finite losses, but weights too large for a forward
@@ -178,10 +247,6 @@ def train_one(attention, features, seed, data, cfg, dev):
               f"(try a lower --lr, now {cfg['lr']})", flush=True)
         return {"attention": attention, "seed": seed, "features": F_, "stopped": f"non-finite attention after step {step}"}
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
-    if cfg["save_models"]:
-        save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "config": cfg,
-                         "run": attention, "seed": seed, "epochs": epoch},
-                        os.path.join(cfg["out_dir"], f"model_{attention}_F{F_}_seed{seed}.pt"))
     return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test)[0],
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
             "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
@@ -189,10 +254,8 @@ def train_one(attention, features, seed, data, cfg, dev):
             "retrieval_layer": layer, "retrieval_head": head,
             "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(), "prev_mass_per_head": prev.tolist(),
             "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
-            "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step,
-            "test_acc_per_epoch": acc_per_epoch, "test_loss_per_epoch": loss_per_epoch,
-            "target_mass_per_epoch": mass_per_epoch, "prev_mass_per_epoch": prev_per_epoch, "curve": curve,
-            "steps_to_50": steps_to(curve, 0.5), "steps_to_90": steps_to(curve, 0.9), "seconds": seconds}
+            "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step, **log,
+            "steps_to_50": steps_to(log["curve"], 0.5), "steps_to_90": steps_to(log["curve"], 0.9), "seconds": seconds}
 
 
 def run_job(job):
@@ -235,6 +298,9 @@ def check(cfg):
         raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
     if not 0 <= cfg["dropout"] < 1 or cfg["warmup"] >= 1:
         raise SystemExit("error: --dropout and --warmup are fractions below 1")
+    choices(cfg, "init_from", ("scratch", "resume"))
+    if cfg["init_from"] == "resume" and not cfg["save_models"]:
+        raise SystemExit("error: --init_from=resume needs --save_models=true (it writes what a run carries on from)")
 
 
 def main(cfg):
@@ -249,6 +315,8 @@ def main(cfg):
     os.makedirs(cfg["out_dir"], exist_ok=True)
     data = make_data(cfg)
     jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
+    for name, f, seed, *_ in jobs:  # resuming, a file that cannot be carried on stops us before any work
+        saved_run(model_path(name, f, seed, cfg), cfg)
     workers = min(len(jobs), cfg["workers"] or ((os.cpu_count() or 1) if dev == "cpu" else 1))
     pool = None
     if workers > 1:  # small models use cores better as one-thread processes than as threads, and a GPU's idle time
