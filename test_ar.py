@@ -235,6 +235,10 @@ def test_train_ar_resume_carries_a_run_on_exactly(tmp_path):
     path = tmp_path / "b" / "model_hedgehog_F16_seed0.pt"
     with pytest.raises(SystemExit, match=r"trained with lr=0.003, not lr=0.001; a run carries on"):
         train_ar.saved_run(str(path), dict(cut, lr=1e-3, init_from="resume"))
+    args = ("train_ar.py", "--attentions=hedgehog", "--features=16", "--init_from=resume", f"--out_dir={tmp_path / 'b'}")
+    assert "needs --save_models=true" in run_script(*args, ok=False)
+    err = run_script(*args, "--save_models=true", "--epochs=3", "--batch_size=16", "--eval_every=3", ok=False)
+    assert "trained with dropout=0.1, not dropout=0.0" in err  # the first setting that differs, before any work
     ckpt = torch.load(path, weights_only=False)
     del ckpt["train_state"]
     torch.save(ckpt, path)

@@ -313,10 +313,11 @@ def main(cfg):
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")
     os.makedirs(cfg["out_dir"], exist_ok=True)
+    runs = [(name, f, seed) for f in sizes for name in names for seed in seeds]
+    for run in runs:  # resuming, a file that cannot be carried on stops us before any work
+        saved_run(model_path(*run, cfg), cfg)
     data = make_data(cfg)
-    jobs = [(name, f, seed, data, cfg, dev) for f in sizes for name in names for seed in seeds]
-    for name, f, seed, *_ in jobs:  # resuming, a file that cannot be carried on stops us before any work
-        saved_run(model_path(name, f, seed, cfg), cfg)
+    jobs = [(*run, data, cfg, dev) for run in runs]
     workers = min(len(jobs), cfg["workers"] or ((os.cpu_count() or 1) if dev == "cpu" else 1))
     pool = None
     if workers > 1:  # small models use cores better as one-thread processes than as threads, and a GPU's idle time
