@@ -191,8 +191,8 @@ def train_one(attention, features, seed, data, cfg, dev):
         schedule.load_state_dict(state["schedule"])
         g.set_state(state["shuffle"])
         set_rng_states(state["rng"], dev)
-        epoch, step, best, since_best, seconds, log = (state[k] for k in ("epoch", "step", "best", "since_best",
-                                                                          "seconds", "log"))
+        epoch = ckpt["epochs"]
+        step, best, since_best, seconds, log = (state[k] for k in ("step", "best", "since_best", "seconds", "log"))
         print(f"{attention} F={F_} seed {seed}: carried on from {path} after epoch {epoch}", flush=True)
     else:
         epoch, step, best, since_best, seconds = 0, 0, float("inf"), 0, 0.0
@@ -236,7 +236,7 @@ def train_one(attention, features, seed, data, cfg, dev):
               f"on the answer {mass.max():.2f}", flush=True)
         if cfg["save_models"]:  # after every epoch, so that a run stopped by its time cap or a kill can carry on
             state = {"optimizer": opt.state_dict(), "schedule": schedule.state_dict(), "shuffle": g.get_state(),
-                     "rng": rng_states(dev), "epoch": epoch, "step": step, "best": best, "since_best": since_best,
+                     "rng": rng_states(dev), "step": step, "best": best, "since_best": since_best,
                      "seconds": time.time() - t0, "log": log}
             save_checkpoint({"kind": "train_ar", "model_args": model_args, "model": model.state_dict(), "config": cfg,
                              "run": attention, "seed": seed, "epochs": epoch, "train_state": state}, path)
