@@ -148,9 +148,12 @@ def saved_run(path, cfg):
 
 def rng_states(dev):
     """The random states that dropout draws from: the CPU's and, on a GPU, the GPU's."""
-    kind = torch.device(dev).type
-    gpu = {"cuda": lambda: torch.cuda.get_rng_state(dev), "mps": torch.mps.get_rng_state}
-    return {"cpu": torch.get_rng_state(), **({kind: gpu[kind]()} if kind in gpu else {})}
+    kind, states = torch.device(dev).type, {"cpu": torch.get_rng_state()}
+    if kind == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(dev)
+    if kind == "mps":
+        states["mps"] = torch.mps.get_rng_state()
+    return states
 
 
 def set_rng_states(states, dev):
