@@ -16,8 +16,9 @@ the same accuracy epoch for epoch as far as the shorter went): then the longer o
 The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
 The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
 Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig. 2), ar_curves.png
-(accuracy against training steps), ar_heads.png (the previous-token and answer heads forming, epoch by
-epoch) and, when F varies, ar_capacity.png (Zoology Fig. 2).
+(accuracy against training steps), ar_runs.png (every run's accuracy, epoch by epoch), ar_heads.png (the
+previous-token and answer heads forming, epoch by epoch), each with one panel per F asked, and, when F
+varies, ar_capacity.png (Zoology Fig. 2).
 """
 import glob
 import json
@@ -105,7 +106,8 @@ def plot_lookup(plt, records, out_dir):
         ax.set_ylim(0, max(max(row), 1e-3) * 1.1)
         ax.set_yticks([])
         ax.set_ylabel(r["attention"], rotation=0, ha="right", va="center", fontsize=8)
-        ax.text(1.0, 0.5, f" acc {r['test_acc']:.2f}\n mass {r['target_mass']:.2f}\n H {r['retrieval_entropy']:.2f}",
+        ax.text(1.0, 0.5, f" F {r['features']}, seed {r['seed']}\n acc {r['test_acc']:.2f}\n mass {r['target_mass']:.2f}"
+                f"\n H {r['retrieval_entropy']:.2f}",
                 transform=ax.transAxes, fontsize=7, va="center")
     axes[-1, 0].set_xlabel("position attended from the query (red: the answer's positions)")
     fig.suptitle("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
@@ -119,41 +121,86 @@ def padded(runs):
     return torch.tensor([run + run[-1:] * (n - len(run)) for run in runs])
 
 
+def by_size(records):
+    """{F asked: its runs}, smallest F first: one panel each in the figures over epochs and steps. Runs that
+    asked for no F (features=0, the q/k head decides it) are a group of their own, unless merged with runs
+    that asked for one: then each counts at the F it got."""
+    mixed = any(r["features_asked"] for r in records)
+    groups = {}
+    for r in records:
+        groups.setdefault(r["features_asked"] or (r["features"] if mixed else 0), []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def panels(plt, records, rows=1, height=4.5):
+    """A figure with one column per F asked: (fig, axes (rows, sizes), {F asked: its runs})."""
+    groups = by_size(records)
+    fig, axes = plt.subplots(rows, len(groups), figsize=(5 * len(groups) + 2, height * rows), sharey="row",
+                             squeeze=False)
+    for ax, size in zip(axes[0], groups):
+        ax.set_title(f"F asked: {size}" if size else "F: the q/k head's")
+    return fig, axes, groups
+
+
+def line_style(j):
+    """Colour and dash of the j-th attention, the same in every figure."""
+    return dict(color=f"C{j % 10}", ls="-" if j < 10 else "--")
+
+
 def plot_curves(plt, records, out_dir):
-    """Accuracy against training steps at the first F asked: the mean over seeds, the band from min to max.
-    A seed that stopped early keeps its last accuracy to the end of the longest one."""
-    F0 = records[0]["features_asked"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for j, name in enumerate(names_in(records)):
-        curves = [r["curve"] for r in records if r["attention"] == name and r["features_asked"] == F0]
-        if not curves:
-            continue
-        steps = [s for s, _ in max(curves, key=len)]
-        accs = padded([[a for _, a in c] for c in curves])  # (seeds, n)
-        ax.plot(steps, accs.mean(0), color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
-        ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
-    ax.set(xlabel="training step", ylabel="test accuracy (500 sequences)", title="Associative recall: learning speed")
-    ax.legend(fontsize=7, ncol=2)
+    """Accuracy against training steps, one panel per F asked: the mean over seeds, the band from min to
+    max. A seed that stopped early keeps its last accuracy to the end of the longest one."""
+    fig, axes, groups = panels(plt, records)
+    for ax, runs in zip(axes[0], groups.values()):
+        for j, name in enumerate(names_in(records)):
+            curves = [r["curve"] for r in runs if r["attention"] == name]
+            if curves:
+                steps = [s for s, _ in max(curves, key=len)]
+                accs = padded([[a for _, a in c] for c in curves])  # (seeds, n)
+                ax.plot(steps, accs.mean(0), label=name, **line_style(j))
+                ax.fill_between(steps, accs.min(0).values, accs.max(0).values, color=f"C{j % 10}", alpha=0.15)
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=7, ncol=2)
+    axes[0, 0].set_ylabel("test accuracy (500 sequences)")
+    fig.suptitle("Associative recall: learning speed (mean and range over seeds)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "ar_curves.png"), dpi=120)
 
 
+def plot_runs(plt, records, out_dir):
+    """Every run's accuracy, epoch by epoch, one panel per F asked: the means of plot_curves hide whether
+    a seed jumps (builds the previous-token head) or creeps."""
+    fig, axes, groups = panels(plt, records)
+    for ax, runs in zip(axes[0], groups.values()):
+        for j, name in enumerate(names_in(records)):
+            for i, r in enumerate(r for r in runs if r["attention"] == name):
+                acc = r["test_acc_per_epoch"]
+                ax.plot(range(1, len(acc) + 1), acc, lw=1, label=None if i else name, **line_style(j))
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize=7, ncol=2)
+    axes[0, 0].set_ylabel("test accuracy (500 sequences)")
+    fig.suptitle("Associative recall: every run, one line each")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ar_runs.png"), dpi=120)
+
+
 def plot_heads(plt, records, out_dir):
-    """The two heads of the lookup forming, epoch by epoch, at the first F asked (mean over seeds; runs
+    """The two heads of the lookup forming, epoch by epoch, one column per F asked (mean over seeds; runs
     recorded before train_ar.py kept these are left out): the most weight any head puts on the
-    previous token, and on the answer."""
-    F0 = records[0]["features_asked"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    for j, name in enumerate(names_in(records)):
-        for ax, key in zip(axes, ("prev_mass_per_epoch", "target_mass_per_epoch")):
-            runs = [[max(map(max, epoch)) for epoch in r[key]] for r in records
-                    if r["attention"] == name and r["features_asked"] == F0 and key in r]
-            if runs:
-                best = padded(runs).mean(0)  # (epochs,)
-                ax.plot(range(1, len(best) + 1), best, color=f"C{j % 10}", ls="-" if j < 10 else "--", label=name)
-    axes[0].set(xlabel="epoch", ylabel="weight", title="on the previous token (best head)")
-    axes[1].set(xlabel="epoch", title="on the answer, from the query (best head)")
-    axes[1].legend(fontsize=7, ncol=2)
+    previous token (top), and on the answer (bottom)."""
+    fig, axes, groups = panels(plt, records, rows=2, height=3.5)
+    for col, runs in zip(axes.T, groups.values()):
+        for j, name in enumerate(names_in(records)):
+            for ax, key in zip(col, ("prev_mass_per_epoch", "target_mass_per_epoch")):
+                best = [[max(map(max, epoch)) for epoch in r[key]] for r in runs if r["attention"] == name and key in r]
+                if best:
+                    best = padded(best).mean(0)  # (epochs,)
+                    ax.plot(range(1, len(best) + 1), best, label=name, **line_style(j))
+        col[1].set_xlabel("epoch")
+        col[1].legend(fontsize=7, ncol=2)
+    axes[0, 0].set_ylabel("on the previous token")
+    axes[1, 0].set_ylabel("on the answer, from the query")
+    fig.suptitle("Associative recall: the best head's weight, epoch by epoch (mean over seeds)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "ar_heads.png"), dpi=120)
 
@@ -190,9 +237,10 @@ def report(records, out_dir, plots=True):
         plot_entropy(plt, records, out_dir)
         plot_lookup(plt, records, out_dir)
         plot_curves(plt, records, out_dir)
+        plot_runs(plt, records, out_dir)
         if any("prev_mass_per_epoch" in r for r in records):
             plot_heads(plt, records, out_dir)
-        if len({r["features_asked"] for r in records}) > 1:
+        if len(by_size(records)) > 1:
             plot_capacity(plt, records, out_dir)
         print(f"figures: {out_dir}/ar_*.png")
 

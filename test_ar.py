@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import ar
 import configurator
 import feature_maps as fm
+import plot_ar
 import probe_ar
 import train_ar
 from attention import attention_weights
@@ -154,7 +155,7 @@ def test_train_ar_smoke(tmp_path):
         assert len(r["prev_mass_per_epoch"]) == len(r["target_mass_per_epoch"]) == 3  # (epochs, layers, heads)
         assert torch.tensor(r["prev_mass_per_epoch"]).shape[1:] == torch.tensor(r["prev_mass_per_head"]).shape == (2, 1)
     assert {r["features"] for r in records} == {64, 66}
-    for png in ("ar_entropy", "ar_lookup", "ar_curves", "ar_heads"):
+    for png in ("ar_entropy", "ar_lookup", "ar_curves", "ar_runs", "ar_heads"):
         assert (tmp_path / f"{png}.png").exists()
 
 
@@ -377,6 +378,16 @@ def test_train_ar_divergence_is_recorded_and_fails(tmp_path):
                      "--lr=1e9", "--workers=1", "--plots=false", f"--out_dir={tmp_path}", ok=False)
     assert "1 run(s) stopped on a non-finite loss" in err, err
     assert "step" in json.load(open(tmp_path / "ar.json"))[0]["stopped"]
+
+
+def test_plot_ar_panels_by_the_feature_size_asked():
+    """The figures over epochs and steps have one panel per F asked, smallest first. Runs that asked for no
+    F (features=0) are a group of their own, or, merged with runs that asked for one, count at the F they got."""
+    runs = lambda *pairs: [{"features_asked": asked, "features": got} for asked, got in pairs]
+    assert list(plot_ar.by_size(runs((0, 128), (0, 256), (0, 128)))) == [0]
+    merged = runs((0, 256), (128, 128), (0, 128), (256, 256))
+    groups = plot_ar.by_size(merged)
+    assert list(groups) == [128, 256] and groups[128] == [merged[1], merged[2]] and groups[256] == [merged[0], merged[3]]
 
 
 def test_plot_ar_merges_runs_made_apart(tmp_path):
