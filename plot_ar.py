@@ -9,9 +9,10 @@ runs, and merges several files into one table, e.g. seeds trained at different t
     python plot_ar.py --runs='results/ar_*/ar.json' --out_dir=results/ar_all     (a pattern: every match, sorted)
 
 Files are merged only when their runs were trained with the same settings (all but the attentions,
-seeds and feature sizes asked, where they ran, the time cap and --init_from), and each (attention, F, seed) appears
-once, unless one of its runs is the other carried on for more epochs (a rerun with a longer --max_minutes,
-the same accuracy epoch for epoch as far as the shorter went): then the longer one is kept.
+seeds and feature sizes asked, where they ran, the time cap and --init_from), and each (attention, F,
+seed) appears once, unless one of its runs is the other carried on for more epochs (rerun or resumed with
+a longer --max_minutes, the same accuracy epoch for epoch as far as the shorter went): then the longer
+one is kept.
 
 The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
 The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
