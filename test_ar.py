@@ -217,10 +217,10 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
 
 
 def test_train_ar_resume_carries_a_run_on_exactly(tmp_path):
-    """A run stopped by its time cap after epoch 1 and carried on (--init_from=resume) is the run that was never
-    stopped: the same record to the last digit (dropout and the shuffle draw from restored random states,
-    AdamW and the warm-up schedule go on from their restored states), its time aside. A file with other settings, or with a model only,
-    is a one-line error; a finished run is not trained further."""
+    """A run stopped by its time cap after epoch 1 and carried on (--init_from=resume) is the run that was
+    never stopped: the same record to the last digit (dropout and the shuffle draw from restored random
+    states, AdamW and the warm-up schedule go on from theirs), its time aside. A finished run is not
+    trained further. A file with other settings, or with a model only, is a one-line error."""
     data = (*ar.make_ar_data(64, seed=1), *ar.make_ar_data(16, seed=2))
     cfg = dict(train_ar.config, epochs=3, batch_size=16, eval_every=3, target_acc=2.0, dropout=0.1, warmup=0.5,
                save_models=True)
