@@ -14,7 +14,9 @@ seed) appears once, unless one of its runs is the other carried on for more epoc
 a longer --max_minutes, the same accuracy epoch for epoch as far as the shorter went): then the longer
 one is kept.
 
-The table: one row per (attention, F), the mean and, with several seeds, the standard deviation.
+The table: one row per (attention, F), the mean and, with several seeds, the standard deviation. Runs
+stopped at different epochs (by a time cap, or on reaching the target) differ in budget, so a second
+table gives each row's accuracy after equal numbers of epochs.
 The figures (with matplotlib): ar_entropy.png (accuracy against the retrieval head's entropy, Hedgehog
 Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig. 2), ar_curves.png
 (accuracy against training steps), ar_runs.png (every run's accuracy, epoch by epoch), ar_heads.png (the
@@ -50,15 +52,20 @@ def first_difference(a, b):
     return next(((said(a, k), said(b, k)) for k in keys if said(a, k) != said(b, k)), None)
 
 
-def summarize(records):
-    """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
-    as the mean over the seeds that got there, with how many did."""
+def by_row(records):
+    """{(attention, F): its runs}, in the order the runs came."""
     rows = {}
     for r in records:
         rows.setdefault((r["attention"], r["features"]), []).append(r)
+    return rows
+
+
+def summarize(records):
+    """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
+    as the mean over the seeds that got there, with how many did."""
     lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'seeds':>5} {'test acc':>14} {'retr. entropy':>13} "
              f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'epochs':>6} {'seconds':>7}"]
-    for (name, F_), rs in rows.items():
+    for (name, F_), rs in by_row(records).items():
         def ms(key, fmt):
             vals = torch.tensor([float(r[key]) for r in rs])
             return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
@@ -72,6 +79,34 @@ def summarize(records):
                      f"{ms('test_acc', '{:.3f}'):>14} {ms('retrieval_entropy', '{:.2f}'):>13} "
                      f"{ms('target_mass', '{:.2f}'):>13} {heads:>4} {steps:>13} {epochs:>6} {ms('seconds', '{:.0f}'):>7}")
     return "\n".join(lines)
+
+
+def at_epochs(records, milestones=(5, 10, 20, 30, 50, 100)):
+    """Accuracy at equal budgets: one row per (attention, F), the mean ± std over seeds of the accuracy
+    on the 500 sequences checked after epoch E, for each milestone E up to the longest run; (k/n) says
+    how many of the row's n runs count (acc_after). "" when no run passes the first milestone."""
+    longest = max(len(r["test_acc_per_epoch"]) for r in records)
+    epochs = [e for e in milestones if e <= longest]
+    if not epochs:
+        return ""
+    lines = [f"{'attention':<12} {'F':>4} " + " ".join(f"{f'epoch {e}':>19}" for e in epochs)]
+    for (name, F_), rs in by_row(records).items():
+        cells = []
+        for e in epochs:
+            got = torch.tensor([a for a in (acc_after(r, e) for r in rs) if a is not None])
+            spread = f" ± {got.std():.2f}" if len(got) > 1 else ""
+            cells.append(f"{got.mean():.2f}{spread} ({len(got)}/{len(rs)})" if len(got) else f"- (0/{len(rs)})")
+        lines.append(f"{name:<12} {F_:>4} " + " ".join(f"{c:>19}" for c in cells))
+    return "\n".join(lines)
+
+
+def acc_after(r, epoch):
+    """Run r's accuracy after `epoch` epochs: its last, if it stopped before on reaching its target (it had
+    solved the task); None if it stopped before for another reason (a time cap: it is left out)."""
+    acc = r["test_acc_per_epoch"]
+    if len(acc) >= epoch:
+        return acc[epoch - 1]
+    return acc[-1] if acc[-1] >= r["config"]["target_acc"] else None
 
 
 def names_in(records):
@@ -230,6 +265,8 @@ def plot_capacity(plt, records, out_dir):
 def report(records, out_dir, plots=True):
     """Print the table and save it as out_dir/ar_summary.txt; with matplotlib, save the figures."""
     table = summarize(records)
+    if budgets := at_epochs(records):
+        table += "\n\ntest accuracy (500 sequences) after equal numbers of epochs (k/n: the runs that got there)\n" + budgets
     print("\n" + table)
     with open(os.path.join(out_dir, "ar_summary.txt"), "w") as f:
         f.write(table + "\n")

@@ -390,6 +390,19 @@ def test_plot_ar_panels_by_the_feature_size_asked():
     assert list(groups) == [128, 256] and groups[128] == [merged[1], merged[2]] and groups[256] == [merged[0], merged[3]]
 
 
+def test_plot_ar_compares_runs_at_equal_budgets():
+    """The table at equal epochs: a run that stopped on reaching its target counts with its last epoch,
+    one cut short by a time cap is left out after its last, and milestones stop at the longest run."""
+    run = lambda acc: {"attention": "elu", "features": 64, "test_acc_per_epoch": acc, "config": {"target_acc": 0.99}}
+    slow, solved, capped = run([0.1] * 9 + [0.4] * 21), run([0.2, 0.5, 0.995]), run([0.3] * 7)
+    header, row = plot_ar.at_epochs([slow, solved, capped]).splitlines()
+    assert header.split()[2:] == ["epoch", "5", "epoch", "10", "epoch", "20", "epoch", "30"]
+    at5 = torch.tensor([0.1, 0.995, 0.3])
+    at10 = torch.tensor([0.4, 0.995])
+    assert row.split("  ")[-4:] == [f" {at5.mean():.2f} ± {at5.std():.2f} (3/3)"] + [f" {at10.mean():.2f} ± {at10.std():.2f} (2/3)"] * 3
+    assert plot_ar.at_epochs([solved, run([0.3] * 4)]) == ""  # no run passes epoch 5
+
+
 def test_plot_ar_merges_runs_made_apart(tmp_path):
     """Seeds trained in one run, split into two files and merged by plot_ar.py (named, or by a pattern),
     give that run's own table, with the mean and spread over both seeds; a run cut short by a time cap
