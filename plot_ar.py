@@ -102,7 +102,7 @@ def at_epochs(records, milestones=(5, 10, 20, 30, 50, 100)):
 
 def acc_after(r, epoch):
     """Run r's accuracy after `epoch` epochs: its last, if it stopped before on reaching its target (it had
-    solved the task); None if it stopped before for another reason (a time cap: it is left out)."""
+    solved the task); None if it stopped before for another reason (a time cap, early stopping): it is left out."""
     acc = r["test_acc_per_epoch"]
     if len(acc) >= epoch:
         return acc[epoch - 1]
