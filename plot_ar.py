@@ -60,15 +60,19 @@ def by_row(records):
     return rows
 
 
+def mean_std(values, fmt):
+    """"mean ± std" of several numbers in the format fmt, the number alone for one."""
+    vals = torch.tensor([float(v) for v in values])
+    return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
+
+
 def summarize(records):
     """One row per (attention, F): mean and, with several seeds, the standard deviation; steps to 50%
     as the mean over the seeds that got there, with how many did."""
     lines = [f"{'attention':<12} {'F':>4} {'D':>3} {'state':>6} {'seeds':>5} {'test acc':>14} {'retr. entropy':>13} "
              f"{'target mass':>13} {'head':>4} {'steps to 50%':>13} {'epochs':>6} {'seconds':>7}"]
     for (name, F_), rs in by_row(records).items():
-        def ms(key, fmt):
-            vals = torch.tensor([float(r[key]) for r in rs])
-            return fmt.format(vals.mean()) + (f" ± {fmt.format(vals.std())}" if len(vals) > 1 else "")
+        ms = lambda key, fmt: mean_std([r[key] for r in rs], fmt)
 
         got = [r["steps_to_50"] for r in rs if r["steps_to_50"] is not None]
         steps = f"{sum(got) / len(got):.0f} ({len(got)}/{len(rs)})" if got else f"never (0/{len(rs)})"
@@ -93,9 +97,8 @@ def at_epochs(records, milestones=(5, 10, 20, 30, 50, 100)):
     for (name, F_), rs in by_row(records).items():
         cells = []
         for e in epochs:
-            got = torch.tensor([a for a in (acc_after(r, e) for r in rs) if a is not None])
-            spread = f" ± {got.std():.2f}" if len(got) > 1 else ""
-            cells.append(f"{got.mean():.2f}{spread} ({len(got)}/{len(rs)})" if len(got) else f"- (0/{len(rs)})")
+            got = [a for a in (acc_after(r, e) for r in rs) if a is not None]
+            cells.append(f"{mean_std(got, '{:.2f}') if got else '-'} ({len(got)}/{len(rs)})")
         lines.append(f"{name:<12} {F_:>4} " + " ".join(f"{c:>19}" for c in cells))
     return "\n".join(lines)
 
