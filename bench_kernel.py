@@ -13,7 +13,8 @@ definition in float64, forward and gradients, float32 and bfloat16 inputs, and O
 forward and forward+backward of causal SDPA (FlashAttention on a GPU), the quadratic linear form, the
 chunked fallback and the Triton kernels, with peak memory on CUDA.
 
---report=true is the device report, one script for a GPU session (a few minutes on an H200): the check
+--report=true is the device report, one script for a GPU session (several minutes; --shapes and --families
+split it into parts, and it saves after every row, so a run stopped by a time limit keeps its rows): the check
 at every build-checked shape (--check=timed: only at the sizes timed, fewer kernels to compile), then
 forward and forward+backward times at 1K-32K tokens of our kernels against FlashAttention (SDPA
 restricted to it) and against flash-linear-attention's chunk_linear_attn (fla, imported only here;
@@ -23,9 +24,9 @@ Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two wit
 in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
 would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
-pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder). Writes
-results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
-fallback (the tests do, at tiny sizes).
+pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder) and of that
+prefix sum alone, on random states of the same size. Writes results/kernel_<gpu>.json and .png. On a
+CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at tiny sizes).
 """
 import json
 import os
@@ -181,6 +182,10 @@ def device_report(cfg):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    name = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
+    out = cfg["report_out"] or f"results/kernel_{name}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    t0 = time.time()
     if dev == "cuda" and cfg["check"] == "all":
         worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
     elif dev == "cuda":  # "timed": the sizes the timings below use (fewer kernels to compile)
@@ -190,6 +195,8 @@ def device_report(cfg):
                       [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
     else:
         worst = check(dev, [(16, 8)], [(8, 6, 8)])
+    check_s = time.time() - t0  # on a GPU mostly Triton compiling each shape's kernels
+    print(f"check: {check_s:.0f} s")
     fla = fla_linear_attention() if dev == "cuda" else None
     if dev == "cuda" and fla is None:
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
@@ -203,6 +210,14 @@ def device_report(cfg):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     rows = []
+
+    def save(row):  # after every row, so that a run stopped by a time limit keeps what it measured
+        rows.append(row)
+        with open(out, "w") as f:
+            json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "check_max_rel_error": worst,
+                       "check_seconds": check_s, "ours": ours, "fla": fla is not None, "rows": rows, "config": cfg},
+                      f, indent=1)
+
     for B, H, D in sizes(cfg, "shapes", 3):
         shape = f"{B}x{H}x{D}"
         for family in choices(cfg, "families", FAMILIES):
@@ -211,7 +226,7 @@ def device_report(cfg):
                 row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, SQ=SQ, T=T)
                 gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 4 * 2) / 2 ** 30  # features, states (x2 backward)
                 if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D, D, SQ)):
-                    rows.append(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "not build-checked"))
+                    save(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "not build-checked"))
                     print(f"{shape} {family:<8} T={T:<6} skipped: {rows[-1]['skipped']}")
                     continue
                 q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype) for _ in range(3))
@@ -238,28 +253,27 @@ def device_report(cfg):
                         continue
                     row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
                 if "ours_fwd_ms" not in row or "flash_fwd_ms" not in row:
-                    rows.append(row)
+                    save(row)
                     continue
                 row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
                 if ours == "triton":  # where the forward's time goes: pass 1 (chunk states and their prefix sum), pass 2
                     flat = [x.reshape(B * H, T, -1) for x in (qf, kf, v)]
                     ones = torch.ones(B * H, T, device=dev)
                     row["ours_pass1_ms"] = _time(lambda: kernel._states(flat[1], flat[2], ones, False), cfg["repeats"]) * 1e3
+                    S, z = torch.rand(B * H, -(-T // kernel.CHUNK), F_, D, device=dev), torch.rand(B * H, -(-T // kernel.CHUNK), F_, device=dev)
+                    row["ours_prefix_sum_ms"] = _time(lambda: (kernel._exclusive_cumsum(S), kernel._exclusive_cumsum(z)),
+                                                      cfg["repeats"]) * 1e3  # pass 1's share after its kernel
                     row["ours_pass2_ms"] = row["ours_fwd_ms"] - row["ours_pass1_ms"]
                 io = B * H * T * ((2 * F_ + D) * q.element_size() + D * 4)  # qf, kf, v in; y out (float32)
                 row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
                 row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
                 if "fla_fwd_ms" in row:
                     row["ours_vs_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
-                rows.append(row)
+                save(row)
                 print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
-                    f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods), flush=True)
-    name = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
-    out = cfg["report_out"] or f"results/kernel_{name}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "check_max_rel_error": worst,
-                   "ours": ours, "fla": fla is not None, "rows": rows, "config": cfg}, f, indent=1)
+                    f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods)
+                    + (f"  (pass 1 {row['ours_pass1_ms']:.3f} ms, its prefix sum {row['ours_prefix_sum_ms']:.3f})"
+                       if "ours_pass1_ms" in row else ""), flush=True)
     print(f"saved {out}")
     plot_report(rows, out.replace(".json", ".png"))
     return rows

@@ -133,6 +133,29 @@ def test_device_report_bookkeeping(tmp_path):
     assert all(x["memory_bound_ms"] > 0 and x["ours_fwd_bwd_ms"] > 0 for x in done)
     assert all(("ours_features_fwd_ms" in x) == (x["family"] in ("taylor", "oal")) for x in done)
     assert rows["1x2x8", "oal", 64]["SQ"] == 6 and rows["1x2x8", "taylor", 64]["SQ"] == 2
+    assert r["check_seconds"] > 0
+
+
+def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
+    """A report stopped part-way (a time limit, Ctrl-C) has saved every row it finished: here the 7th
+    timing raises, in the second row (the first takes flash's and ours' forward and forward+backward)."""
+    import bench_kernel
+    calls = []
+    real = bench_kernel._time
+
+    def timer(fn, repeats):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return real(fn, repeats)
+    monkeypatch.setattr(bench_kernel, "_time", timer)
+    out = tmp_path / "r.json"
+    cfg = dict(check="timed", shapes="1x2x8", families="hedgehog", lengths="64,96,128", repeats=1, max_gib=40.0,
+               report_out=str(out), bandwidth_tbs=4.8)
+    with pytest.raises(KeyboardInterrupt):
+        bench_kernel.device_report(cfg)
+    rows = json.load(open(out))["rows"]
+    assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
 
 
 def test_lolcats_attention_transfer_trains_the_maps_and_gates():
