@@ -24,9 +24,9 @@ Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two wit
 in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
 would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
-pass 1 alone (the chunk states and their prefix sum; pass 2 and the rest is the remainder) and of that
-prefix sum alone, on random states of the same size. Writes results/kernel_<gpu>.json and .png. On a
-CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at tiny sizes).
+pass 1 alone (the chunk states; pass 2 and the rest is the remainder). Writes results/kernel_<gpu>.json
+and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at
+tiny sizes).
 """
 import json
 import os
@@ -256,13 +256,10 @@ def device_report(cfg):
                     save(row)
                     continue
                 row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
-                if ours == "triton":  # where the forward's time goes: pass 1 (chunk states and their prefix sum), pass 2
+                if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
                     flat = [x.reshape(B * H, T, -1) for x in (qf, kf, v)]
                     ones = torch.ones(B * H, T, device=dev)
                     row["ours_pass1_ms"] = _time(lambda: kernel._states(flat[1], flat[2], ones, False), cfg["repeats"]) * 1e3
-                    S, z = torch.rand(B * H, -(-T // kernel.CHUNK), F_, D, device=dev), torch.rand(B * H, -(-T // kernel.CHUNK), F_, device=dev)
-                    row["ours_prefix_sum_ms"] = _time(lambda: (kernel._exclusive_cumsum(S), kernel._exclusive_cumsum(z)),
-                                                      cfg["repeats"]) * 1e3  # pass 1's share after its kernel
                     row["ours_pass2_ms"] = row["ours_fwd_ms"] - row["ours_pass1_ms"]
                 io = B * H * T * ((2 * F_ + D) * q.element_size() + D * 4)  # qf, kf, v in; y out (float32)
                 row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
@@ -272,8 +269,7 @@ def device_report(cfg):
                 save(row)
                 print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
                     f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods)
-                    + (f"  (pass 1 {row['ours_pass1_ms']:.3f} ms, its prefix sum {row['ours_prefix_sum_ms']:.3f})"
-                       if "ours_pass1_ms" in row else ""), flush=True)
+                    + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else ""), flush=True)
     print(f"saved {out}")
     plot_report(rows, out.replace(".json", ".png"))
     return rows

@@ -103,7 +103,8 @@ def programs(kern, F_, Dv, BH, T):
     if kern == "dsquares":
         return N * BH
     if kern == "states":
-        return triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH * N
+        tiles = triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
+        return tiles * kernel._segments(N, tiles)[1]
     return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
 
 
@@ -136,7 +137,8 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
                                      ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
     if verbose:
         print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(shapes)} shapes x 4-5 kernels, T = {T}); worst case per kernel, arch and dtype:")
+              f"{len(shapes)} shapes, a forward and a backward of 4-5 kernels each, T = {T}); "
+              "worst case per kernel, arch and dtype:")
         print(f"{'kernel':<16} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
         groups = {}

@@ -21,9 +21,12 @@ masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_
 z = sum_j k_j, kept in float32. Memory is linear in T. The denominator is never a padded value column.
 
 The Triton design (after flash-linear-attention's chunk kernels): two passes, so that chunks run in parallel.
-  pass 1  _states_kernel   grid (B*H*N, F/BK, Dv/BV): every chunk's own k_n^T v_n (and k_n^T 1) at once,
-                           then a prefix sum over chunks (torch.cumsum) gives the state before each
-                           chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory.
+  pass 1  _states_kernel   grid (B*H*NS, F/BK, Dv/BV): the chunks split into NS segments of L chunks
+                           (after flash-linear-attention's chunk_h_split); every segment's sum of k_n^T v_n
+                           (and k_n^T 1) at once, their prefix sum over segments (torch.cumsum, small),
+                           then every segment walked from that offset, storing the state before each
+                           chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory. NS is chosen for
+                           about STATE_PROGRAMS programs a launch, so short sequences take one walk.
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles.
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
@@ -36,13 +39,15 @@ Precision: bfloat16 features go into tl.dot as bfloat16 (tensor cores, float32 a
 the score block and dnum are rounded to bfloat16 where they meet a dot, as in flash-linear-attention and
 FlashAttention, and everything else (sums, the denominator, the state itself) is float32. float32 and
 float16 features take float32 dots (TF32 on a GPU): a state rounded to float16 could overflow.
-Cost per token and head, forward, C = 64: pass 1 2 F Dv flops; pass 2 2 C (F + Dv) + 2 F Dv flops (the
-masked half of each chunk's scores is computed too; with squares 2 C (SQ D + Dv) + 2 F Dv), against
-FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in, y out, and the state, F Dv 4 / C
-bytes written once and read three times (the prefix sum reads and writes it once more). The states take
-B H (T/C) F Dv 4 bytes, twice that in the backward. Pass 1 runs T/C times more programs than a pass
-that walks the chunks in order (the design before this one, which docs/results.md measured on a GPU):
-no part of it is serial in T. Tiles, warps and stages (_configs) were chosen with the build check:
+Cost per token and head, forward, C = 64: pass 1 4 F Dv flops (2 F Dv with one segment); pass 2
+2 C (F + Dv) + 2 F Dv flops (the masked half of each chunk's scores is computed too; with squares
+2 C (SQ D + Dv) + 2 F Dv), against FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in
+(k and v twice more in pass 1), y out, and the state, F Dv 4 / C bytes written once by pass 1 and read
+once by pass 2. The states take B H (T/C) F Dv 4 bytes, twice that in the backward. Pass 1's serial part
+is one segment's L chunks. Two earlier designs measured on a GPU (docs/results.md): one walked all T/C
+chunks in B H (F/BK) (Dv/BV) programs; the next summed every chunk at once and took the prefix sum over
+all the states with torch.cumsum and torch.cat, which moved them through memory five times.
+Tiles, warps and stages (_configs) were chosen with the build check:
 `python build_check.py` compiles every launch ahead of time for sm_80 and sm_90 on any machine
 (triton.compile with a GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and
 register spills.
@@ -51,8 +56,9 @@ Where this was tested: both backends against a float64 reference, forward and gr
 float32/bfloat16/float16 inputs at odd sizes, with and without squares; the fallback on CPU (torch 2.13),
 the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9; float32 arithmetic,
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
-the build check. The present kernels also ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32
-inputs, checked against float64 at the sizes timed there; docs/results.md).
+the build check. The kernels with the previous pass 1 (the rest as now) ran on an NVIDIA H200 (triton 3.6,
+bfloat16 and float32 inputs, checked against float64 at the sizes timed there; docs/results.md); the
+segmented pass 1 has not run on a GPU yet.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import math
@@ -229,24 +235,46 @@ if HAS_TRITON:
             A += W * W
         return A
 
-    @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
-    def _states_kernel(k_ptr, v_ptr, w_ptr, S_ptr, z_ptr, T, F, DV, N,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr):
-        # Pass 1. Program (bh * N + n, i_k, i_v): the (BK, BV) tile of chunk n's own sum  k_n^T v_n,
-        # and, in the i_v = 0 programs, k_n^T w_n (w: one weight per token). Every chunk at once;
-        # _states() then turns these into the running sums over earlier (or later) chunks.
-        i_c, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # axis 0: up to 2^31 - 1 programs
-        bh, n = i_c // N, i_c % N
+    @triton.jit(do_not_specialize=["T", "N", "L", "REVERSE"])  # one compiled kernel for every length
+    def _states_kernel(k_ptr, v_ptr, w_ptr, S0_ptr, z0_ptr, S_ptr, z_ptr, T, F, DV, N, L, REVERSE,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr, WALK: tl.constexpr):
+        # Pass 1. Program (bh * NS + s, i_k, i_v): the (BK, BV) tile of  sum k_n^T v_n  over the L chunks of
+        # segment s, n in [s L, s L + L), and in the i_v = 0 programs that of  sum k_n^T w_n  (w: one weight
+        # per token). WALK = False: store the segment's sum at S0[bh, s], z0[bh, s].
+        # WALK = True: start from S0[bh, s], z0[bh, s] (the sum over the segments before s, after s if
+        # REVERSE) and walk the segment's chunks in order (backwards if REVERSE), storing the running sum
+        # before each chunk at S[bh, n], z[bh, n]. Every segment at once: a program walks L chunks, the whole
+        # sequence only when NS = 1 (when B H and the tiles alone give STATE_PROGRAMS programs).
+        i_s, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # axis 0: up to 2^31 - 1 programs
+        NS = tl.cdiv(N, L)
+        bh, s = i_s // NS, i_s % NS
         rk = i_k * BK + tl.arange(0, BK)
         rv = i_v * BV + tl.arange(0, BV)
-        t = n * C + tl.arange(0, C)
-        k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
-        S = _dot(tl.trans(k), v, BF16)  # (BK, BV)
-        tl.store(S_ptr + i_c * F * DV + rk[:, None] * DV + rv[None, :], S, mask=(rk[:, None] < F) & (rv[None, :] < DV))
-        if i_v == 0:
-            w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
-            tl.store(z_ptr + i_c * F + rk, tl.sum(k * w[:, None], 0), mask=rk < F)
+        in_S = (rk[:, None] < F) & (rv[None, :] < DV)
+        S_tile = rk[:, None] * DV + rv[None, :]
+        acc = tl.zeros((BK, BV), dtype=tl.float32)
+        acc_z = tl.zeros((BK,), dtype=tl.float32)
+        if WALK:
+            acc += tl.load(S0_ptr + i_s * F * DV + S_tile, mask=in_S, other=0.0)
+            acc_z += tl.load(z0_ptr + i_s * F + rk, mask=rk < F, other=0.0)
+        for j in range(0, L):
+            n = s * L + j + REVERSE * (L - 1 - 2 * j)  # chunks past N (in the last segment) load zeros, store nothing
+            if WALK:
+                f = tl.where(n < N, F, 0)  # the features stored: none past the last chunk
+                tl.store(S_ptr + (bh * N + n) * F * DV + S_tile, acc, mask=(rk[:, None] < f) & (rv[None, :] < DV))
+                if i_v == 0:
+                    tl.store(z_ptr + (bh * N + n) * F + rk, acc_z, mask=rk < f)
+            t = n * C + tl.arange(0, C)
+            k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+            acc += _dot(tl.trans(k), v, BF16)  # (BK, BV)
+            if i_v == 0:
+                w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
+                acc_z += tl.sum(k * w[:, None], 0)
+        if not WALK:
+            tl.store(S0_ptr + i_s * F * DV + S_tile, acc, mask=in_S)
+            if i_v == 0:
+                tl.store(z0_ptr + i_s * F + rk, acc_z, mask=rk < F)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
@@ -414,6 +442,7 @@ if HAS_TRITON:
             tl.store(dks_ptr + bh * T * D + t[:, None] * D + rd[None, :], grad.to(dks_ptr.dtype.element_ty), mask=in_d)
 
 CHUNK = 64  # tokens per chunk in the Triton kernels
+STATE_PROGRAMS = 4096  # pass 1's programs per launch, about: enough to fill a GPU of ~100 SMs several times over
 
 
 def _tile(n, cap):
@@ -425,7 +454,8 @@ def _configs(F, Dv, squares=False):
     """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv (squares: with the
     closed-form scores). Chosen so that every launch fits sm_80's and sm_90's shared memory and spills no
     registers (`python build_check.py` compiles them all and prints the cost of each)."""
-    return {"states": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
+    # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16)
+    return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=2),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             # 4 warps at Dv <= 32: with 8, triton 3.6 spills 8 bytes on sm_80 (bf16 inputs, F not a multiple of 16);
@@ -443,18 +473,33 @@ def _squares_args(sq, q):
     return (qs, ks, lam, c, base, qs.shape[-1], lam.shape[0]), dict(SQ=lam.shape[1], BD=_tile(qs.shape[-1], 128))
 
 
+def _segments(N, programs):
+    """Pass 1's segments of N chunks when one segment takes `programs` programs (B H x the tiles):
+    (L chunks per segment, NS segments), NS as near STATE_PROGRAMS / programs as N allows."""
+    L = triton.cdiv(N, max(1, min(N, STATE_PROGRAMS // programs)))
+    return L, triton.cdiv(N, L)
+
+
 def _states(k, v, w, reverse):
-    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32:
-    every chunk's own sum in parallel (the kernel), then the fallback's prefix sum over chunks (one
-    parallel cumsum on a GPU), so that no program walks the sequence."""
+    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32.
+    The chunks are split into NS segments of L: each segment's sum (the kernel, WALK=False), their prefix
+    sum over segments (small: BH NS F Dv floats), then each segment walked from its offset (WALK=True),
+    writing the state before each chunk once. NS gives about STATE_PROGRAMS programs per launch."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    cfg = _configs(F_, Dv)["states"]
+    tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
+    L, NS = _segments(N, BH * tiles[0] * tiles[1])
+    S0 = torch.zeros(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # the sum over the segments before
+    z0 = torch.zeros(BH, NS, F_, device=k.device, dtype=torch.float32)
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
-    cfg = _configs(F_, Dv)["states"]
-    grid = (BH * N, triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
-    _states_kernel[grid](k, v, w, S, z, T, F_, Dv, N, C=CHUNK, BF16=k.dtype == torch.bfloat16, **cfg)
-    return _exclusive_cumsum(S, reverse), _exclusive_cumsum(z, reverse)
+    meta = dict(C=CHUNK, BF16=k.dtype == torch.bfloat16, **cfg)
+    if NS > 1:
+        _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), WALK=False, **meta)
+        S0, z0 = _exclusive_cumsum(S0, reverse), _exclusive_cumsum(z0, reverse)
+    _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), WALK=True, **meta)
+    return S, z
 
 
 def _triton_forward(q, k, v, eps, sq=None):

@@ -54,6 +54,25 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
         assert err < tol, err
 
 
+@needs_triton
+@pytest.mark.parametrize("programs", [8, 24])
+def test_kernel_segments_match_float64(programs, monkeypatch):
+    """Pass 1 in segments: at 8 programs per launch the 11 chunks are one segment, walked in one program
+    per tile; at 24 they are three of 4, 4 and 3 chunks (the last one short), summed, prefix-summed and
+    walked, forwards for the forward's states and backwards for the backward's. Forward and gradients."""
+    monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)  # B H = 4 and 2 x 1 tiles: 8 programs per segment
+    g = torch.Generator().manual_seed(0)
+    qf, kf = (torch.rand(2, 2, 650, 33, generator=g) for _ in range(2))
+    v, dy = (torch.randn(2, 2, 650, 17, generator=g) for _ in range(2))
+    ins = [x.to(DEV).requires_grad_() for x in (qf, kf, v)]
+    y = kernel.causal_linear_attention(*ins, backend="triton")
+    grads = torch.autograd.grad(y, ins, dy.to(DEV))
+    ref_in = [x.double().requires_grad_() for x in (qf, kf, v)]
+    ref = linear_attention_quadratic(*ref_in)
+    for got, r in zip([y, *grads], [ref, *torch.autograd.grad(ref, ref_in, dy.double())]):
+        assert (got.double().cpu() - r).norm() / r.norm() < (2e-3 if DEV == "cuda" else 1e-5)  # TF32 dots on a GPU
+
+
 def _has_nvidia_backend():
     try:
         import triton
