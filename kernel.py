@@ -26,7 +26,8 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            (and k_n^T 1) at once, their prefix sum over segments (torch.cumsum, small),
                            then every segment walked from that offset, storing the state before each
                            chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory. NS is chosen for
-                           about STATE_PROGRAMS programs a launch, so short sequences take one walk.
+                           about STATE_PROGRAMS programs a launch, with segments of at least MIN_SEGMENT
+                           chunks, so a short sequence is one walk.
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles.
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
@@ -443,6 +444,7 @@ if HAS_TRITON:
 
 CHUNK = 64  # tokens per chunk in the Triton kernels
 STATE_PROGRAMS = 4096  # pass 1's programs per launch, about: enough to fill a GPU of ~100 SMs several times over
+MIN_SEGMENT = 8  # chunks: pass 1 is one launch, a walk of the whole sequence, up to 8 chunks (512 tokens)
 
 
 def _tile(n, cap):
@@ -475,8 +477,9 @@ def _squares_args(sq, q):
 
 def _segments(N, programs):
     """Pass 1's segments of N chunks when one segment takes `programs` programs (B H x the tiles):
-    (L chunks per segment, NS segments), NS as near STATE_PROGRAMS / programs as N allows."""
-    L = triton.cdiv(N, max(1, min(N, STATE_PROGRAMS // programs)))
+    (L chunks per segment, NS segments), NS as near STATE_PROGRAMS / programs as N allows, and no
+    segment shorter than MIN_SEGMENT chunks (shorter ones would sum and write the states twice over)."""
+    L = max(MIN_SEGMENT, triton.cdiv(N, max(1, STATE_PROGRAMS // programs)))
     return L, triton.cdiv(N, L)
 
 

@@ -58,8 +58,9 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
 @pytest.mark.parametrize("programs", [8, 24])
 def test_kernel_segments_match_float64(programs, monkeypatch):
     """Pass 1 in segments: at 8 programs per launch the 11 chunks are one segment, walked in one program
-    per tile; at 24 they are three of 4, 4 and 3 chunks (the last one short), summed, prefix-summed and
+    per tile; at 24 they are two, of 8 and 3 chunks (the last one short), summed, prefix-summed and
     walked, forwards for the forward's states and backwards for the backward's. Forward and gradients."""
+    monkeypatch.setattr(kernel, "MIN_SEGMENT", 8)
     monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)  # B H = 4 and 2 x 1 tiles: 8 programs per segment
     g = torch.Generator().manual_seed(0)
     qf, kf = (torch.rand(2, 2, 650, 33, generator=g) for _ in range(2))
