@@ -493,7 +493,7 @@ def _states(k, v, w, reverse):
     cfg = _configs(F_, Dv)["states"]
     tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
-    S0 = torch.zeros(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # the sum over the segments before
+    S0 = torch.zeros(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # each segment's sum, then its offset
     z0 = torch.zeros(BH, NS, F_, device=k.device, dtype=torch.float32)
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
