@@ -259,7 +259,8 @@ if HAS_TRITON:
             acc += tl.load(S0_ptr + i_s * F * DV + S_tile, mask=in_S, other=0.0)
             acc_z += tl.load(z0_ptr + i_s * F + rk, mask=rk < F, other=0.0)
         for j in range(0, L):
-            n = s * L + j + REVERSE * (L - 1 - 2 * j)  # chunks past N (in the last segment) load zeros, store nothing
+            n = s * L + j + REVERSE * (L - 1 - 2 * j)  # s L + j, or s L + L - 1 - j walking backwards
+            # (chunks past N, in the last segment, load zeros and store nothing)
             if WALK:
                 f = tl.where(n < N, F, 0)  # the features stored: none past the last chunk
                 tl.store(S_ptr + (bh * N + n) * F * DV + S_tile, acc, mask=(rk[:, None] < f) & (rv[None, :] < DV))
