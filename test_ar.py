@@ -216,22 +216,24 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
         ar.load_model(tmp_path / "gpt.pt")
 
 
-def test_train_ar_resume_carries_a_run_on_exactly(tmp_path):
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_train_ar_resume_carries_a_run_on_exactly(tmp_path, dev):
     """A run stopped by its time cap after epoch 1 and carried on (--init_from=resume) is the run that was
     never stopped: the same record to the last digit (dropout and the shuffle draw from restored random
-    states, AdamW and the warm-up schedule go on from theirs), its time aside. A finished run is not
-    trained further. A file with other settings, or with a model only, is a one-line error."""
+    states, AdamW and the warm-up schedule go on from theirs), its time aside; on a GPU too, where dropout
+    draws from the GPU's random state. A finished run is not trained further. A file with other settings,
+    or with a model only, is a one-line error."""
     data = (*ar.make_ar_data(64, seed=1), *ar.make_ar_data(16, seed=2))
     cfg = dict(train_ar.config, epochs=3, batch_size=16, eval_every=3, target_acc=2.0, dropout=0.1, warmup=0.5,
                save_models=True)
     os.makedirs(tmp_path / "a")
     os.makedirs(tmp_path / "b")
-    straight = train_ar.train_one("hedgehog", 16, 0, data, dict(cfg, out_dir=str(tmp_path / "a")), "cpu")
+    straight = train_ar.train_one("hedgehog", 16, 0, data, dict(cfg, out_dir=str(tmp_path / "a")), dev)
     cut = dict(cfg, out_dir=str(tmp_path / "b"), max_minutes=1e-9)
-    assert train_ar.train_one("hedgehog", 16, 0, data, cut, "cpu")["epochs"] == 1
-    carried = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), "cpu")
+    assert train_ar.train_one("hedgehog", 16, 0, data, cut, dev)["epochs"] == 1
+    carried = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), dev)
     assert carried["seconds"] > 0 and {**carried, "seconds": 0} == {**straight, "seconds": 0}
-    again = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), "cpu")
+    again = train_ar.train_one("hedgehog", 16, 0, data, dict(cut, max_minutes=0.0, init_from="resume"), dev)
     assert {**again, "seconds": 0} == {**straight, "seconds": 0}  # all 3 epochs done: nothing more to train
     path = tmp_path / "b" / "model_hedgehog_F16_seed0.pt"
     with pytest.raises(SystemExit, match=r"trained with lr=0.003, not lr=0.001; a run carries on"):
