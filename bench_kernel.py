@@ -6,6 +6,7 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
     python bench_kernel.py --lengths=1024,4096 --threads=2
     python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
     python bench_kernel.py --closed_form=true --threads=2   # the polynomial maps' closed form, results/closed_form.json
+    python bench_kernel.py --sweep=true                 # on a GPU: pass 1's and 2's launch settings, results/kernel_sweep_<gpu>.json
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
 definition in float64, forward and gradients, float32 and bfloat16 inputs, and OAL's closed form
@@ -24,8 +25,9 @@ Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two wit
 in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
 would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
-pass 1 alone (the chunk states; pass 2 and the rest is the remainder). Writes results/kernel_<gpu>.json
-and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at
+pass 1 alone (the chunk states; pass 2 and the rest is the remainder), and the forwards of FlashAttention,
+ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
+short sequences at batch 1). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at
 tiny sizes).
 """
 import json
@@ -110,6 +112,22 @@ def _time(fn, repeats):
         if times[0] > 1.0 and len(times) == 2:
             break
     return min(times[1:])
+
+
+def _graph_time(fn, args, repeats):
+    """Best of `repeats` replays of fn(*args), forward only, captured in a CUDA graph: the GPU's time
+    without the CPU's kernel launches (what torch.compile(mode="reduce-overhead") gives a model). fn has
+    run before (compiled, autotuned); one more call on a side stream precedes the capture, as
+    torch.cuda.graph asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        fn(*args)
+    return _time(graph.replay, repeats)
 
 
 def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, out):
@@ -256,6 +274,14 @@ def device_report(cfg):
                     save(row)
                     continue
                 row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
+                if dev == "cuda":  # the forward without launch overhead: where short sequences stand on the GPU alone
+                    for name in [m for m in ("flash", "ours", "fla") if m in methods]:
+                        try:
+                            row[f"{name}_graph_fwd_ms"] = _graph_time(*methods[name], cfg["repeats"]) * 1e3
+                        except Exception as e:
+                            row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    if "ours_graph_fwd_ms" in row and "flash_graph_fwd_ms" in row:
+                        row["graph_speedup_vs_flash_fwd"] = row["flash_graph_fwd_ms"] / row["ours_graph_fwd_ms"]
                 if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
                     flat = [x.reshape(B * H, T, -1) for x in (qf, kf, v)]
                     ones = torch.ones(B * H, T, device=dev)
@@ -269,7 +295,8 @@ def device_report(cfg):
                 save(row)
                 print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
                     f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods)
-                    + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else ""), flush=True)
+                    + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else "")
+                    + "".join(f"  {m} graphed {row[m + '_graph_fwd_ms']:.3f}" for m in methods if m + "_graph_fwd_ms" in row), flush=True)
     print(f"saved {out}")
     plot_report(rows, out.replace(".json", ".png"))
     return rows
@@ -310,6 +337,61 @@ def closed_form(cfg):
         json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({cfg['threads']} threads)",
                    "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"saved {out}")
+
+
+def sweep(cfg):
+    """Pass 1's and pass 2's launch settings timed on this machine's Triton, to choose kernel._configs from
+    measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16 on a GPU, at each of
+    sweep_lengths, pass 1 (kernel._states) for every BK, BV in sweep_tiles, num_warps in sweep_warps and
+    STATE_PROGRAMS in sweep_programs, and the forward for every BK, BV, num_warps of pass 2 (the output
+    kernel; pass 1 at its defaults). Each is checked against the defaults' result before it is timed.
+    Settings that do not compile are recorded with their error. Writes results/kernel_sweep_<gpu>.json."""
+    if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
+        raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
+                         "set before starting Python, to check the bookkeeping on a CPU)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    out = cfg["sweep_out"] or "results/kernel_sweep_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
+    (B, H, D), = sizes(cfg, "sweep_shape", 3)
+    tiles, warps, programs = (integers(cfg, key, 1) for key in ("sweep_tiles", "sweep_warps", "sweep_programs"))
+    defaults, default_programs = kernel._configs, kernel.STATE_PROGRAMS
+    rows = []
+    try:
+        for T in integers(cfg, "sweep_lengths", 1):
+            g = torch.Generator().manual_seed(0)
+            q, k = (torch.rand(B * H, T, 2 * D, generator=g).to(dev, dtype) for _ in range(2))
+            v = torch.randn(B * H, T, D, generator=g).to(dev, dtype)
+            ones = torch.ones(B * H, T, device=dev)
+            runs = {"states": lambda: kernel._states(k, v, ones, False)[0],
+                    "output": lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]}
+            refs = {kern: fn() for kern, fn in runs.items()}
+            for kern, fn in runs.items():
+                for BK in tiles:
+                    for BV in tiles:
+                        for nw in warps:
+                            for n_prog in (programs if kern == "states" else [default_programs]):
+                                meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=2)
+                                kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
+                                kernel.STATE_PROGRAMS = n_prog
+                                row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, **meta)
+                                try:
+                                    row["rel_error"] = ((fn() - refs[kern]).norm() / refs[kern].norm()).item()
+                                    row["ms"] = _time(fn, cfg["repeats"]) * 1e3
+                                except Exception as e:  # e.g. out of shared memory
+                                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                                rows.append(row)
+                                print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} programs={n_prog:<6} "
+                                      + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
+                                      flush=True)
+                                with open(out, "w") as f:
+                                    json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "rows": rows,
+                                               "defaults": defaults(2 * D, D), "state_programs": default_programs,
+                                               "config": cfg}, f, indent=1)
+    finally:
+        kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
+    print(f"saved {out}")
+    return rows
 
 
 def plot_report(rows, path):
@@ -376,6 +458,13 @@ if __name__ == "__main__":
         "report_out": "",  # report: default results/kernel_<gpu>.json
         "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
+        "sweep": False,  # pass 1's and pass 2's tiles, warps and segments timed instead (see sweep)
+        "sweep_shape": "1x12x64",  # sweep: B x H x D, Hedgehog's F = 2D
+        "sweep_lengths": "4096,32768",
+        "sweep_tiles": "32,64",  # sweep: BK and BV
+        "sweep_warps": "4,8",
+        "sweep_programs": "1024,4096,16384",  # sweep: pass 1's STATE_PROGRAMS
+        "sweep_out": "",  # sweep: default results/kernel_sweep_<gpu>.json
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
     choices(cfg, "check", ("all", "timed"))
@@ -388,6 +477,9 @@ if __name__ == "__main__":
         raise SystemExit(0)
     if cfg["closed_form"]:
         closed_form(cfg)
+        raise SystemExit(0)
+    if cfg["sweep"]:
+        sweep(cfg)
         raise SystemExit(0)
     benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

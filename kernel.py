@@ -23,8 +23,9 @@ z = sum_j k_j, kept in float32. Memory is linear in T. The denominator is never 
 The Triton design (after flash-linear-attention's chunk kernels): two passes, so that chunks run in parallel.
   pass 1  _states_kernel   grid (B*H*NS, F/BK, Dv/BV): the chunks split into NS segments of L chunks
                            (after flash-linear-attention's chunk_h_split); every segment's sum of k_n^T v_n
-                           (and k_n^T 1) at once, their prefix sum over segments (torch.cumsum, small),
-                           then every segment walked from that offset, storing the state before each
+                           (and k_n^T 1) at once, their running sum over segments (an in-place
+                           cumsum, small), then every segment walked from the sum of the segments
+                           before it, storing the state before each
                            chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory. NS is chosen for
                            about STATE_PROGRAMS programs a launch, with segments of at least MIN_SEGMENT
                            chunks, so a short sequence is one walk.
@@ -57,9 +58,9 @@ Where this was tested: both backends against a float64 reference, forward and gr
 float32/bfloat16/float16 inputs at odd sizes, with and without squares; the fallback on CPU (torch 2.13),
 the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9; float32 arithmetic,
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
-the build check. The kernels with the previous pass 1 (the rest as now) ran on an NVIDIA H200 (triton 3.6,
-bfloat16 and float32 inputs, checked against float64 at the sizes timed there; docs/results.md); the
-segmented pass 1 has not run on a GPU yet.
+the build check. The kernels ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32 inputs, checked
+against float64 at the sizes timed there; docs/results.md) with pass 1 segmented as now, except that its
+segment offsets were then a torch.cat of zeros and a cumsum.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import math
@@ -241,14 +242,17 @@ if HAS_TRITON:
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr, WALK: tl.constexpr):
         # Pass 1. Program (bh * NS + s, i_k, i_v): the (BK, BV) tile of  sum k_n^T v_n  over the L chunks of
         # segment s, n in [s L, s L + L), and in the i_v = 0 programs that of  sum k_n^T w_n  (w: one weight
-        # per token). WALK = False: store the segment's sum at S0[bh, s], z0[bh, s].
-        # WALK = True: start from S0[bh, s], z0[bh, s] (the sum over the segments before s, after s if
-        # REVERSE) and walk the segment's chunks in order (backwards if REVERSE), storing the running sum
-        # before each chunk at S[bh, n], z[bh, n]. Every segment at once: a program walks L chunks, the whole
-        # sequence only when NS = 1 (when B H and the tiles alone give STATE_PROGRAMS programs).
+        # per token). Segments are numbered in walk order, p = s (NS - 1 - s if REVERSE).
+        # WALK = False: store the segment's sum at S0[bh, p], z0[bh, p].
+        # WALK = True: S0, z0 hold their inclusive prefix sums over p; start from S0[bh, p - 1], z0[bh, p - 1]
+        # (the sum over the segments walked before this one; zero at p = 0) and walk the segment's chunks in
+        # order (backwards if REVERSE), storing the running sum before each chunk at S[bh, n], z[bh, n].
+        # Every segment at once: a program walks L chunks, the whole sequence only when NS = 1 (when B H and
+        # the tiles alone give STATE_PROGRAMS programs).
         i_s, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # axis 0: up to 2^31 - 1 programs
         NS = tl.cdiv(N, L)
         bh, s = i_s // NS, i_s % NS
+        p = bh * NS + s + REVERSE * (NS - 1 - 2 * s)  # the segment's row of S0, z0
         rk = i_k * BK + tl.arange(0, BK)
         rv = i_v * BV + tl.arange(0, BV)
         in_S = (rk[:, None] < F) & (rv[None, :] < DV)
@@ -256,8 +260,9 @@ if HAS_TRITON:
         acc = tl.zeros((BK, BV), dtype=tl.float32)
         acc_z = tl.zeros((BK,), dtype=tl.float32)
         if WALK:
-            acc += tl.load(S0_ptr + i_s * F * DV + S_tile, mask=in_S, other=0.0)
-            acc_z += tl.load(z0_ptr + i_s * F + rk, mask=rk < F, other=0.0)
+            if p > bh * NS:  # after the first segment walked (which starts from zero)
+                acc += tl.load(S0_ptr + (p - 1) * F * DV + S_tile, mask=in_S, other=0.0)
+                acc_z += tl.load(z0_ptr + (p - 1) * F + rk, mask=rk < F, other=0.0)
         for j in range(0, L):
             n = s * L + j + REVERSE * (L - 1 - 2 * j)  # s L + j, or s L + L - 1 - j walking backwards
             # (chunks past N, in the last segment, load zeros and store nothing)
@@ -274,9 +279,9 @@ if HAS_TRITON:
                 w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
                 acc_z += tl.sum(k * w[:, None], 0)
         if not WALK:
-            tl.store(S0_ptr + i_s * F * DV + S_tile, acc, mask=in_S)
+            tl.store(S0_ptr + p * F * DV + S_tile, acc, mask=in_S)
             if i_v == 0:
-                tl.store(z0_ptr + i_s * F + rk, acc_z, mask=rk < F)
+                tl.store(z0_ptr + p * F + rk, acc_z, mask=rk < F)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
@@ -485,24 +490,27 @@ def _segments(N, programs):
 
 
 def _states(k, v, w, reverse):
-    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32.
-    The chunks are split into NS segments of L: each segment's sum (the kernel, WALK=False), their prefix
-    sum over segments (small: BH NS F Dv floats), then each segment walked from its offset (WALK=True),
-    writing the state before each chunk once. NS gives about STATE_PROGRAMS programs per launch."""
+    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32
+    (w: (BH, T)). The chunks are split into NS segments of L: each segment's sum
+    (the kernel, WALK=False, stored in walk order), their running sum over segments (small: BH NS F Dv
+    floats, one in-place cumsum), then each segment walked from the sum before it (WALK=True), writing the
+    state before each chunk once. NS gives about STATE_PROGRAMS programs per launch."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     cfg = _configs(F_, Dv)["states"]
     tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
-    S0 = torch.zeros(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # each segment's sum, then its offset
-    z0 = torch.zeros(BH, NS, F_, device=k.device, dtype=torch.float32)
+    S0 = torch.empty(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # segment sums, then their running sums
+    z0 = torch.empty(BH, NS, F_, device=k.device, dtype=torch.float32)  # (unread when NS = 1)
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
+    args = (k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse))
     meta = dict(C=CHUNK, BF16=k.dtype == torch.bfloat16, **cfg)
     if NS > 1:
-        _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), WALK=False, **meta)
-        S0, z0 = _exclusive_cumsum(S0, reverse), _exclusive_cumsum(z0, reverse)
-    _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), WALK=True, **meta)
+        _states_kernel[(BH * NS, *tiles)](*args, WALK=False, **meta)
+        S0.cumsum_(1)
+        z0.cumsum_(1)
+    _states_kernel[(BH * NS, *tiles)](*args, WALK=True, **meta)
     return S, z
 
 

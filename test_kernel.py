@@ -55,13 +55,16 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
 
 
 @needs_triton
-@pytest.mark.parametrize("programs", [8, 24])
-def test_kernel_segments_match_float64(programs, monkeypatch):
+@pytest.mark.parametrize("programs,min_segment,segments", [(8, 8, (11, 1)), (24, 8, (8, 2)), (32, 2, (3, 4))])
+def test_kernel_segments_match_float64(programs, min_segment, segments, monkeypatch):
     """Pass 1 in segments: at 8 programs per launch the 11 chunks are one segment, walked in one program
-    per tile; at 24 they are two, of 8 and 3 chunks (the last one short), summed, prefix-summed and
-    walked, forwards for the forward's states and backwards for the backward's. Forward and gradients."""
-    monkeypatch.setattr(kernel, "MIN_SEGMENT", 8)
+    per tile; at 24 they are two, of 8 and 3 chunks (the last one short); at 32 with segments of at least
+    2 chunks, four, of 3, 3, 3 and 2 (the middle ones start from a running sum over segments). Summed,
+    running-summed and walked, forwards for the forward's states and backwards for the backward's.
+    Forward and gradients."""
+    monkeypatch.setattr(kernel, "MIN_SEGMENT", min_segment)
     monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)  # B H = 4 and 2 x 1 tiles: 8 programs per segment
+    assert kernel._segments(11, 8) == segments  # (L chunks per segment, NS segments)
     g = torch.Generator().manual_seed(0)
     qf, kf = (torch.rand(2, 2, 650, 33, generator=g) for _ in range(2))
     v, dy = (torch.randn(2, 2, 650, 17, generator=g) for _ in range(2))
@@ -72,6 +75,30 @@ def test_kernel_segments_match_float64(programs, monkeypatch):
     ref = linear_attention_quadratic(*ref_in)
     for got, r in zip([y, *grads], [ref, *torch.autograd.grad(ref, ref_in, dy.double())]):
         assert (got.double().cpu() - r).norm() / r.norm() < (2e-3 if DEV == "cuda" else 1e-5)  # TF32 dots on a GPU
+
+
+@needs_triton
+def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
+    """bench_kernel.py --sweep=true at tiny sizes in the interpreter: one row per setting, each run with
+    the settings it records (seen from inside pass 1) and checked against the defaults' result; the
+    defaults are back afterwards."""
+    import bench_kernel
+    seen, segments = [], kernel._segments
+
+    def spy(N, programs):  # called by kernel._states after it has read its settings
+        seen.append((kernel.STATE_PROGRAMS, kernel._configs(32, 16)["states"]["BK"], kernel._configs(32, 16)["states"]["BV"]))
+        return segments(N, programs)
+    monkeypatch.setattr(kernel, "_segments", spy)
+    defaults = kernel._configs
+    cfg = dict(sweep_shape="1x2x16", sweep_lengths="650", sweep_tiles="32,64", sweep_warps="4", sweep_programs="8,4096",
+               repeats=1, sweep_out=str(tmp_path / "s.json"))
+    rows = bench_kernel.sweep(cfg)
+    assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096
+    states = [r for r in rows if r["kernel"] == "states"]
+    assert len(states) == 8 and len([r for r in rows if r["kernel"] == "output"]) == 4
+    assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= set(seen) and len(set(seen)) >= 8
+    assert all(r["rel_error"] < 1e-5 and r["ms"] > 0 for r in rows)
+    assert json.load(open(tmp_path / "s.json"))["rows"] == rows
 
 
 def _has_nvidia_backend():
