@@ -63,6 +63,7 @@ against float64 at the sizes timed there; docs/results.md) with pass 1 segmented
 segment offsets were then a torch.cat of zeros and a cumsum.
 `python bench_kernel.py` checks them against float64, then times them.
 """
+import functools
 import math
 import os
 
@@ -458,10 +459,11 @@ def _tile(n, cap):
     return min(cap, max(16, triton.next_power_of_2(n)))
 
 
+@functools.cache  # read on every call of the kernels, and some microseconds of Python to build
 def _configs(F, Dv, squares=False):
     """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv (squares: with the
     closed-form scores). Chosen so that every launch fits sm_80's and sm_90's shared memory and spills no
-    registers (`python build_check.py` compiles them all and prints the cost of each)."""
+    registers (`python build_check.py` compiles them all and prints the cost of each). Read only."""
     # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16)
     return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=2),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
@@ -607,6 +609,7 @@ COVERED = ({_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV} |
 _said = set()
 
 
+@functools.cache
 def triton_covered(F_, Dv, D=0, SQ=0):
     """True when the launches for features F_ and values Dv (with a closed form of SQ terms on D dims)
     compile to code the build check has checked: same tiles, warps, stages and divisibility by 16."""
