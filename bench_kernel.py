@@ -242,7 +242,7 @@ def device_report(cfg):
             F_, SQ = FAMILIES[family][0](D), FAMILIES[family][1]
             for T in integers(cfg, "lengths", 1):
                 row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, SQ=SQ, T=T)
-                gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 4 * 2) / 2 ** 30  # features, states (x2 backward)
+                gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 2 * 2) / 2 ** 30  # bf16 features, states (x2 backward)
                 if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D, D, SQ)):
                     save(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "not build-checked"))
                     print(f"{shape} {family:<8} T={T:<6} skipped: {rows[-1]['skipped']}")

@@ -39,13 +39,15 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            gives each chunk's share of dlam, dc, dbase (summed over chunks afterwards).
 Precision: bfloat16 features go into tl.dot as bfloat16 (tensor cores, float32 accumulation); the state,
 the score block and dnum are rounded to bfloat16 where they meet a dot, as in flash-linear-attention and
-FlashAttention, and everything else (sums, the denominator, the state itself) is float32. float32 and
-float16 features take float32 dots (TF32 on a GPU): a state rounded to float16 could overflow.
+FlashAttention, and everything else (sums, the denominator, the state as it accumulates) is float32. So
+pass 1 stores the states S[n] (and the backward's R[n]) in bfloat16, rounded as the dots would round them:
+the same results for half the bytes. float32 and float16 features take float32 dots (TF32 on a GPU) and
+float32 states: a state rounded to float16 could overflow.
 Cost per token and head, forward, C = 64: pass 1 4 F Dv flops (2 F Dv with one segment); pass 2
 2 C (F + Dv) + 2 F Dv flops (the masked half of each chunk's scores is computed too; with squares
 2 C (SQ D + Dv) + 2 F Dv), against FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in
-(k and v twice more in pass 1), y out, and the state, F Dv 4 / C bytes written once by pass 1 and read
-once by pass 2. The states take B H (T/C) F Dv 4 bytes, twice that in the backward. Pass 1's serial part
+(k and v twice more in pass 1), y out, and the state, F Dv 2 / C bytes (bf16; 4 in float32) written once
+by pass 1 and read once by pass 2. The states take B H (T/C) F Dv 2 (or 4) bytes, twice that in the backward. Pass 1's serial part
 is one segment's L chunks. Two earlier designs measured on a GPU (docs/results.md): one walked all T/C
 chunks in B H (F/BK) (Dv/BV) programs; the next summed every chunk at once and took the prefix sum over
 all the states with torch.cumsum and torch.cat, which moved them through memory five times.
@@ -60,7 +62,7 @@ the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
 the build check. The kernels ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32 inputs, checked
 against float64 at the sizes timed there; docs/results.md) with pass 1 segmented as now, except that its
-segment offsets were then a torch.cat of zeros and a cumsum.
+segment offsets were then a torch.cat of zeros and a cumsum, and its states stored in float32.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import functools
@@ -195,7 +197,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 # Triton kernels: the same chunked algorithm, parallel over chunks (see the module docstring)
 #
 # Layout: q, k (BH, T, F), v (BH, T, Dv), contiguous; chunk n holds tokens [n C, n C + C).
-# States: S (BH, N, F, Dv) and z (BH, N, F), float32; S[n] is the sum over the chunks before n.
+# States: S (BH, N, F, Dv), bfloat16 for bfloat16 inputs, else float32, and z (BH, N, F), float32; S[n] is
+# the sum over the chunks before n, accumulated in float32.
 
 if HAS_TRITON:
     EMULATE = tl.constexpr(INTERPRET)  # the CPU interpreter: bf16 dots emulated in float32 (see _dot)
@@ -269,7 +272,11 @@ if HAS_TRITON:
             # (chunks past N, in the last segment, load zeros and store nothing)
             if WALK:
                 f = tl.where(n < N, F, 0)  # the features stored: none past the last chunk
-                tl.store(S_ptr + (bh * N + n) * F * DV + S_tile, acc, mask=(rk[:, None] < f) & (rv[None, :] < DV))
+                out = acc
+                if BF16 and EMULATE:  # S is bfloat16: round as the GPU does (the interpreter's store truncates)
+                    out = _round_bf16(acc)
+                tl.store(S_ptr + (bh * N + n) * F * DV + S_tile, out.to(S_ptr.dtype.element_ty),
+                         mask=(rk[:, None] < f) & (rv[None, :] < DV))
                 if i_v == 0:
                     tl.store(z_ptr + (bh * N + n) * F + rk, acc_z, mask=rk < f)
             t = n * C + tl.arange(0, C)
@@ -307,7 +314,7 @@ if HAS_TRITON:
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
+            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0).to(tl.float32)
             z = tl.load(z_ptr + rk, mask=rk < F, other=0.0)
             if SQ == 0:
                 k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
@@ -350,8 +357,8 @@ if HAS_TRITON:
             in_s = (rk[:, None] < F) & (rv[None, :] < DV)
             v = tl.load(v_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)  # (C, BV)
             dnum = tl.load(dnum_ptr + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0)
-            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)  # (BK, BV)
-            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0)
+            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0).to(tl.float32)  # (BK, BV)
+            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=in_s, other=0.0).to(tl.float32)
             if SQ == 0:
                 G += _dot(dnum, tl.trans(v), BF16)
             dq += _dot(dnum, tl.trans(S), BF16)
@@ -391,7 +398,7 @@ if HAS_TRITON:
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
+            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0).to(tl.float32)
             if SQ == 0:
                 q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
                 At += _dot(k, tl.trans(q), BF16)  # (C, C)
@@ -492,8 +499,8 @@ def _segments(N, programs):
 
 
 def _states(k, v, w, reverse):
-    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv) and k^T w (BH, N, F), float32
-    (w: (BH, T)). The chunks are split into NS segments of L: each segment's sum
+    """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv; stored in bfloat16 for bfloat16 k,
+    else float32) and k^T w (BH, N, F, float32), accumulated in float32 (w: (BH, T)). The chunks are split into NS segments of L: each segment's sum
     (the kernel, WALK=False, stored in walk order), their running sum over segments (small: BH NS F Dv
     floats, one in-place cumsum), then each segment walked from the sum before it (WALK=True), writing the
     state before each chunk once. NS gives about STATE_PROGRAMS programs per launch."""
@@ -504,10 +511,11 @@ def _states(k, v, w, reverse):
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
     S0 = torch.empty(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # segment sums, then their running sums
     z0 = torch.empty(BH, NS, F_, device=k.device, dtype=torch.float32)  # (unread when NS = 1)
-    S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.float32)
+    bf16 = k.dtype == torch.bfloat16  # S meets only bf16 dots then: stored rounded, half the bytes, same results
+    S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
     args = (k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse))
-    meta = dict(C=CHUNK, BF16=k.dtype == torch.bfloat16, **cfg)
+    meta = dict(C=CHUNK, BF16=bf16, **cfg)
     if NS > 1:
         _states_kernel[(BH * NS, *tiles)](*args, WALK=False, **meta)
         S0.cumsum_(1)

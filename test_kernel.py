@@ -12,6 +12,7 @@ from test_all import DEV, POLYNOMIAL, make_map, needs_triton, qkv, run_script  #
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernel
 from attention import linear_attention_quadratic
@@ -75,6 +76,25 @@ def test_kernel_segments_match_float64(programs, min_segment, segments, monkeypa
     ref = linear_attention_quadratic(*ref_in)
     for got, r in zip([y, *grads], [ref, *torch.autograd.grad(ref, ref_in, dy.double())]):
         assert (got.double().cpu() - r).norm() / r.norm() < (2e-3 if DEV == "cuda" else 1e-5)  # TF32 dots on a GPU
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_states_are_stored_as_the_dots_use_them(dtype, monkeypatch):
+    """Pass 1 (four segments here) keeps its sums in float32 and stores the states in bfloat16 for bfloat16
+    inputs, rounded to nearest: within half a bfloat16 ulp of the float64 states (truncating would be
+    up to a whole one); float32 inputs keep float32 states."""
+    monkeypatch.setattr(kernel, "MIN_SEGMENT", 2)
+    monkeypatch.setattr(kernel, "STATE_PROGRAMS", 32)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.rand(4, 650, 33, generator=g).to(dtype), torch.randn(4, 650, 17, generator=g).to(dtype)
+    S, z = kernel._states(k.to(DEV), v.to(DEV), torch.ones(4, 650, device=DEV), reverse=False)
+    sums = torch.einsum("bntf,bntd->bnfd", *(F.pad(x.double(), (0, 0, 0, 11 * 64 - 650)).view(4, 11, 64, -1) for x in (k, v)))
+    ref = torch.cat([torch.zeros_like(sums[:, :1]), sums.cumsum(1)[:, :-1]], 1)  # the state before each chunk
+    assert S.dtype == dtype and z.dtype == torch.float32
+    bits = 8 if dtype == torch.bfloat16 else 24  # significand bits
+    half_ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref).exponent - bits - 1)  # x = m 2^e, m in [0.5, 1)
+    assert ((S.double().cpu() - ref).abs() <= half_ulp + 1e-6 * ref.abs().max()).all()
 
 
 @needs_triton
