@@ -30,6 +30,7 @@ ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel
 short sequences at batch 1). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at
 tiny sizes).
 """
+import itertools
 import json
 import os
 import time
@@ -342,10 +343,11 @@ def closed_form(cfg):
 def sweep(cfg):
     """Pass 1's and pass 2's launch settings timed on this machine's Triton, to choose kernel._configs from
     measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16 on a GPU, at each of
-    sweep_lengths, pass 1 (kernel._states) for every BK, BV in sweep_tiles, num_warps in sweep_warps and
-    STATE_PROGRAMS in sweep_programs, and the forward for every BK, BV, num_warps of pass 2 (the output
-    kernel; pass 1 at its defaults). Each is checked against the defaults' result before it is timed.
-    Settings that do not compile are recorded with their error. Writes results/kernel_sweep_<gpu>.json."""
+    sweep_lengths, pass 1 (kernel._states) for every BK, BV in sweep_tiles, num_warps in sweep_warps,
+    num_stages in sweep_stages and STATE_PROGRAMS in sweep_programs, and the forward for every BK, BV,
+    num_warps, num_stages of pass 2 (the output kernel; pass 1 at its defaults). Each is checked against
+    the defaults' result before it is timed; settings that do not compile are recorded with their error.
+    Writes results/kernel_sweep_<gpu>.json after every setting."""
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
                          "set before starting Python, to check the bookkeeping on a CPU)")
@@ -354,7 +356,7 @@ def sweep(cfg):
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     out = cfg["sweep_out"] or "results/kernel_sweep_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
     (B, H, D), = sizes(cfg, "sweep_shape", 3)
-    tiles, warps, programs = (integers(cfg, key, 1) for key in ("sweep_tiles", "sweep_warps", "sweep_programs"))
+    tiles, warps, stages, programs = (integers(cfg, key, 1) for key in ("sweep_tiles", "sweep_warps", "sweep_stages", "sweep_programs"))
     defaults, default_programs = kernel._configs, kernel.STATE_PROGRAMS
     rows = []
     try:
@@ -367,27 +369,25 @@ def sweep(cfg):
                     "output": lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]}
             refs = {kern: fn() for kern, fn in runs.items()}
             for kern, fn in runs.items():
-                for BK in tiles:
-                    for BV in tiles:
-                        for nw in warps:
-                            for n_prog in (programs if kern == "states" else [default_programs]):
-                                meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=2)
-                                kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
-                                kernel.STATE_PROGRAMS = n_prog
-                                row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, **meta)
-                                try:
-                                    row["rel_error"] = ((fn() - refs[kern]).norm() / refs[kern].norm()).item()
-                                    row["ms"] = _time(fn, cfg["repeats"]) * 1e3
-                                except Exception as e:  # e.g. out of shared memory
-                                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                                rows.append(row)
-                                print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} programs={n_prog:<6} "
-                                      + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
-                                      flush=True)
-                                with open(out, "w") as f:
-                                    json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "rows": rows,
-                                               "defaults": defaults(2 * D, D), "state_programs": default_programs,
-                                               "config": cfg}, f, indent=1)
+                counts = programs if kern == "states" else [default_programs]
+                for BK, BV, nw, ns, n_prog in itertools.product(tiles, tiles, warps, stages, counts):
+                    meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=ns)
+                    kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
+                    kernel.STATE_PROGRAMS = n_prog
+                    row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, **meta)
+                    try:
+                        row["rel_error"] = ((fn() - refs[kern]).norm() / refs[kern].norm()).item()
+                        row["ms"] = _time(fn, cfg["repeats"]) * 1e3
+                    except Exception as e:  # e.g. out of shared memory
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    rows.append(row)
+                    print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} stages={ns} programs={n_prog:<6} "
+                          + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
+                          flush=True)
+                    with open(out, "w") as f:
+                        json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "rows": rows,
+                                   "defaults": defaults(2 * D, D), "state_programs": default_programs, "config": cfg},
+                                  f, indent=1)
     finally:
         kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
     print(f"saved {out}")
@@ -463,6 +463,7 @@ if __name__ == "__main__":
         "sweep_lengths": "4096,32768",
         "sweep_tiles": "32,64",  # sweep: BK and BV
         "sweep_warps": "4,8",
+        "sweep_stages": "2,3",
         "sweep_programs": "1024,4096,16384",  # sweep: pass 1's STATE_PROGRAMS
         "sweep_out": "",  # sweep: default results/kernel_sweep_<gpu>.json
     })

@@ -1,6 +1,7 @@
 """
 The Triton kernels compiled for GPUs this machine may not have. Every launch that
-kernel.causal_linear_attention(backend="triton") makes, forward and backward, is compiled ahead of time
+kernel.causal_linear_attention(backend="triton") makes, forward and backward (and the forward without a
+backward, which writes y in the inputs' dtype), is compiled ahead of time
 for sm_80 (A100) and sm_90 (H100/H200) with triton.compile and a GPUTarget, no GPU needed, and checked:
 shared memory per block within the arch's limit, and no register spills (a stack frame in cuobjdump's
 resource usage; ptxas and cuobjdump ship with triton).
@@ -53,7 +54,7 @@ class Recorder:
 
 def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
     """The kernel launches of one forward and one backward at these sizes (SQ > 0: with the closed-form
-    scores on D dims), recorded on meta tensors."""
+    scores on D dims), and of one forward without a backward, recorded on meta tensors."""
     log, jitted = [], {name: getattr(kernel, name) for name in KERNELS}
     try:
         for name, fn in jitted.items():
@@ -66,6 +67,7 @@ def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
                        ((1, T, D), (1, T, D), (1, SQ, D), (1, SQ), (1,)))
         y, den = kernel._triton_forward(q, k, v, kernel.EPS, sq)
         kernel._triton_backward(q, k, v, y, den, torch.empty_like(v), sq)
+        kernel._triton_forward(q, k, v, kernel.EPS, sq, out_dtype=dtype)  # without a backward: y in v's dtype
         return log
     finally:
         for name, fn in jitted.items():
@@ -137,7 +139,7 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
                                      ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
     if verbose:
         print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(shapes)} shapes, a forward and a backward of 4-5 kernels each, T = {T}); "
+              f"{len(shapes)} shapes, a forward and a backward of 4-5 kernels each and a forward without one, T = {T}); "
               "worst case per kernel, arch and dtype:")
         print(f"{'kernel':<16} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")

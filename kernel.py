@@ -30,7 +30,8 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            about STATE_PROGRAMS programs a launch, with segments of at least MIN_SEGMENT
                            chunks, so a short sequence is one walk.
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
-                           (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles.
+                           (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles; y in float32
+                           when a backward will need it, else in v's dtype at once.
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
                            q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
@@ -328,7 +329,9 @@ if HAS_TRITON:
         v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=in_v, other=0.0).to(tl.float32)
         den = tl.sum(A, 1) + qz + eps  # (C,)
         y = (o + _dot(A, v, BF16)) / den[:, None]
-        tl.store(y_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], y, mask=in_v)
+        if EMULATE and y_ptr.dtype.element_ty == tl.bfloat16:  # rounded as the GPU stores it (see _round_bf16)
+            y = _round_bf16(y)
+        tl.store(y_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], y.to(y_ptr.dtype.element_ty), mask=in_v)
         if i_v == 0:
             tl.store(den_ptr + bh * T + t, den, mask=t < T)
 
@@ -524,14 +527,15 @@ def _states(k, v, w, reverse):
     return S, z
 
 
-def _triton_forward(q, k, v, eps, sq=None):
-    """q, k (BH, T, F), v (BH, T, Dv) contiguous -> y (BH, T, Dv), den (BH, T), both float32 (the backward
-    needs y exactly: its dden = -(dnum . y) cancels against dnum . v). sq: the closed form (qs, ks (BH, T, D),
-    lam (H, SQ, D), c (H, SQ), base (H,)), or None."""
+def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
+    """q, k (BH, T, F), v (BH, T, Dv) contiguous -> y (BH, T, Dv) in out_dtype, den (BH, T) float32. The
+    backward needs y in float32: its dden = -(dnum . y) cancels against dnum . v. Without a backward, y is
+    written in v's dtype at once. sq: the closed form (qs, ks (BH, T, D), lam (H, SQ, D), c (H, SQ),
+    base (H,)), or None."""
     BH, T, F_ = q.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     S, z = _states(k, v, torch.ones(BH, T, device=q.device, dtype=torch.float32), reverse=False)
-    y = torch.empty(BH, T, Dv, device=q.device, dtype=torch.float32)
+    y = torch.empty(BH, T, Dv, device=q.device, dtype=out_dtype)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     cfg = _configs(F_, Dv)["output"]
     sq_args, sq_meta = _squares_args(sq, q)
@@ -570,17 +574,23 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     return dq, dk, dv, (dqs, dks, per_head(dlam), per_head(dc), per_head(dbase))
 
 
+def _flat(qf, kf, v, qs, ks, lam, c, base):
+    """The kernels' inputs: q, k, v (B, H, T, .) as (B H, T, .) contiguous, and the closed form's tuple (or None)."""
+    B, H, T, F_ = qf.shape
+    q, k, v3 = (x.reshape(B * H, T, x.shape[-1]).contiguous() for x in (qf, kf, v))
+    if qs is None:
+        return q, k, v3, None
+    return q, k, v3, tuple(x.reshape(B * H, T, -1).contiguous() for x in (qs, ks)) + \
+        tuple(x.float().contiguous() for x in (lam, c, base))
+
+
 class _TritonLinearAttention(torch.autograd.Function):
     """The Triton path: pass 1 (chunk states) then pass 2 (outputs), and the same two passes backward."""
 
     @staticmethod
     def forward(ctx, qf, kf, v, eps, qs, ks, lam, c, base):
         B, H, T, F_ = qf.shape
-        q, k, v3 = (x.reshape(B * H, T, x.shape[-1]).contiguous() for x in (qf, kf, v))
-        sq = None
-        if qs is not None:
-            sq = tuple(x.reshape(B * H, T, -1).contiguous() for x in (qs, ks)) + \
-                tuple(x.float().contiguous() for x in (lam, c, base))
+        q, k, v3, sq = _flat(qf, kf, v, qs, ks, lam, c, base)
         y, den = _triton_forward(q, k, v3, eps, sq)
         ctx.save_for_backward(q, k, v3, y, den, *(sq or ()))
         return y.view(B, H, T, -1).to(v.dtype)
@@ -665,7 +675,11 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
         raise RuntimeError(f"backend='triton' cannot run here: {why}. Use backend='torch'.")
     squares = squares or (None,) * 5
     if backend == "triton":
-        return _TritonLinearAttention.apply(qf, kf, v, eps, *squares)
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qf, kf, v, *squares)):
+            return _TritonLinearAttention.apply(qf, kf, v, eps, *squares)
+        q, k, v3, sq = _flat(qf, kf, v, *squares)
+        y, _ = _triton_forward(q, k, v3, eps, sq, out_dtype=v.dtype)  # no backward to come: y in v's dtype at once
+        return y.view(*qf.shape[:3], -1)
     # chunk C balances the per-token work within a chunk, C (F + Dv), against the state's, 2 F Dv:
     # C = 2 F Dv / (F + Dv) as a power of 2 in [16, 128] (64 at F = Dv = 64, the fastest there by measurement)
     chunk = min(128, max(16, 2 ** round(math.log2(2 * F_ * Dv / (F_ + Dv)))))

@@ -79,6 +79,25 @@ def test_kernel_segments_match_float64(programs, min_segment, segments, monkeypa
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("closed_form", [False, True])
+def test_kernel_forward_without_grad_is_the_training_forward(dtype, closed_form):
+    """With no backward to come (no_grad, or no input that requires grad) the forward writes y in v's
+    dtype at once instead of float32 y and a cast: the same values, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 2, 150, 8, generator=g) for _ in range(2))
+    fmap = make_map("taylor")
+    qf, kf = (x.to(dtype) for x in fmap(q, k))
+    v = torch.randn(2, 2, 150, 17, generator=g).to(dtype)
+    squares = fmap.squares(q, k) if closed_form else None
+    with torch.no_grad():
+        fast = kernel.causal_linear_attention(qf, kf, v, backend="triton", squares=squares)
+    trained = kernel.causal_linear_attention(qf.requires_grad_(), kf, v, backend="triton", squares=squares)
+    assert fast.dtype == trained.dtype == dtype and trained.requires_grad and not fast.requires_grad
+    assert torch.equal(fast, trained.detach())
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_states_are_stored_as_the_dots_use_them(dtype, monkeypatch):
     """Pass 1 (four segments here) keeps its sums in float32 and stores the states in bfloat16 for bfloat16
@@ -110,8 +129,8 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
         return segments(N, programs)
     monkeypatch.setattr(kernel, "_segments", spy)
     defaults = kernel._configs
-    cfg = dict(sweep_shape="1x2x16", sweep_lengths="650", sweep_tiles="32,64", sweep_warps="4", sweep_programs="8,4096",
-               repeats=1, sweep_out=str(tmp_path / "s.json"))
+    cfg = dict(sweep_shape="1x2x16", sweep_lengths="650", sweep_tiles="32,64", sweep_warps="4", sweep_stages="2",
+               sweep_programs="8,4096", repeats=1, sweep_out=str(tmp_path / "s.json"))
     rows = bench_kernel.sweep(cfg)
     assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096
     states = [r for r in rows if r["kernel"] == "states"]
