@@ -6,7 +6,7 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
     python bench_kernel.py --lengths=1024,4096 --threads=2
     python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
     python bench_kernel.py --closed_form=true --threads=2   # the polynomial maps' closed form, results/closed_form.json
-    python bench_kernel.py --sweep=true                 # on a GPU: pass 1's and 2's launch settings, results/kernel_sweep_<gpu>.json
+    python bench_kernel.py --sweep=true                 # on a GPU: the kernels' launch settings timed
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
 definition in float64, forward and gradients, float32 and bfloat16 inputs, and OAL's closed form
@@ -27,8 +27,9 @@ would pass max_gib, or that are not build-checked, are recorded as skipped; a pe
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
 pass 1 alone (the chunk states; pass 2 and the rest is the remainder), and the forwards of FlashAttention,
 ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
-short sequences at batch 1). Writes results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at
-tiny sizes).
+short sequences at batch 1). The forwards run under torch.no_grad, as inference does. Writes
+results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
+fallback (the tests do, at tiny sizes).
 """
 import itertools
 import json

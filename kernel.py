@@ -48,10 +48,11 @@ Cost per token and head, forward, C = 64: pass 1 4 F Dv flops (2 F Dv with one s
 2 C (F + Dv) + 2 F Dv flops (the masked half of each chunk's scores is computed too; with squares
 2 C (SQ D + Dv) + 2 F Dv), against FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in
 (k and v twice more in pass 1), y out, and the state, F Dv 2 / C bytes (bf16; 4 in float32) written once
-by pass 1 and read once by pass 2. The states take B H (T/C) F Dv 2 (or 4) bytes, twice that in the backward. Pass 1's serial part
-is one segment's L chunks. Two earlier designs measured on a GPU (docs/results.md): one walked all T/C
-chunks in B H (F/BK) (Dv/BV) programs; the next summed every chunk at once and took the prefix sum over
-all the states with torch.cumsum and torch.cat, which moved them through memory five times.
+by pass 1 and read once by pass 2. The states take B H (T/C) F Dv 2 (or 4) bytes, twice that in the
+backward. Pass 1's serial part is one segment's L chunks. Two earlier designs measured on a GPU
+(docs/results.md): one walked all T/C chunks in B H (F/BK) (Dv/BV) programs; the next summed every chunk
+at once and took the prefix sum over all the states with torch.cumsum and torch.cat, which moved them
+through memory five times.
 Tiles, warps and stages (_configs) were chosen with the build check:
 `python build_check.py` compiles every launch ahead of time for sm_80 and sm_90 on any machine
 (triton.compile with a GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and
@@ -315,7 +316,8 @@ if HAS_TRITON:
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+            in_S = (rk[:, None] < F) & (rv[None, :] < DV)
+            S = tl.load(S_ptr + rk[:, None] * DV + rv[None, :], mask=in_S, other=0.0).to(tl.float32)  # (BK, BV)
             z = tl.load(z_ptr + rk, mask=rk < F, other=0.0)
             if SQ == 0:
                 k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
@@ -401,7 +403,8 @@ if HAS_TRITON:
             rk = i * BK + tl.arange(0, BK)
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             k = tl.load(k_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)  # (C, BK)
-            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+            in_R = (rk[:, None] < F) & (rv[None, :] < DV)
+            R = tl.load(R_ptr + rk[:, None] * DV + rv[None, :], mask=in_R, other=0.0).to(tl.float32)  # (BK, BV)
             if SQ == 0:
                 q = tl.load(q_ptr + t[:, None] * F + rk[None, :], mask=in_k, other=0.0).to(tl.float32)
                 At += _dot(k, tl.trans(q), BF16)  # (C, C)
@@ -503,10 +506,11 @@ def _segments(N, programs):
 
 def _states(k, v, w, reverse):
     """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv; stored in bfloat16 for bfloat16 k,
-    else float32) and k^T w (BH, N, F, float32), accumulated in float32 (w: (BH, T)). The chunks are split into NS segments of L: each segment's sum
-    (the kernel, WALK=False, stored in walk order), their running sum over segments (small: BH NS F Dv
-    floats, one in-place cumsum), then each segment walked from the sum before it (WALK=True), writing the
-    state before each chunk once. NS gives about STATE_PROGRAMS programs per launch."""
+    else float32) and k^T w (BH, N, F, float32), accumulated in float32 (w: (BH, T)). The chunks are split
+    into NS segments of L: each segment's sum (the kernel, WALK=False, stored in walk order), their running
+    sum over segments (small: BH NS F Dv floats, one in-place cumsum), then each segment walked from the
+    sum before it (WALK=True), writing the state before each chunk once. NS gives about STATE_PROGRAMS
+    programs per launch."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     cfg = _configs(F_, Dv)["states"]
