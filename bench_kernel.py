@@ -116,6 +116,25 @@ def _time(fn, repeats):
     return min(times[1:])
 
 
+def _one_line(e):
+    """An exception as one short line: a row records why a method did not run there."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _device():
+    """("cuda" or "cpu", the GPU's name or "cpu", the dtype timed there: bfloat16 on a GPU, else float32)."""
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_name(), torch.bfloat16
+    return "cpu", "cpu", torch.float32
+
+
+def _out_path(given, stem, gpu):
+    """given, or results/<stem>_<the GPU's name as a file name>.json; its folder is made."""
+    out = given or f"results/{stem}_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    return out
+
+
 def _graph_time(fn, args, repeats):
     """Best of `repeats` replays of fn(*args), forward only, captured in a CUDA graph: the GPU's time
     without the CPU's kernel launches (what torch.compile(mode="reduce-overhead") gives a model). fn has
@@ -199,12 +218,8 @@ def fla_linear_attention():
 
 def device_report(cfg):
     """The GPU session's script: check against float64, then time ours, FlashAttention and fla."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    name = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
-    out = cfg["report_out"] or f"results/kernel_{name}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    dev, gpu, dtype = _device()
+    out = _out_path(cfg["report_out"], "kernel", gpu)
     t0 = time.time()
     if dev == "cuda" and cfg["check"] == "all":
         worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
@@ -267,7 +282,7 @@ def device_report(cfg):
                             fwd = _time(lambda: fn(*ins), cfg["repeats"])
                         both = _time(lambda: fn(*ins).sum().backward(), cfg["repeats"])
                     except Exception as e:  # a peer's kernel may refuse a size (fla at F = 2145); say so, go on
-                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                        row[f"{name}_error"] = _one_line(e)
                         print(f"{shape} {family:<8} T={T:<6} {name}: {row[f'{name}_error']}")
                         del methods[name]
                         continue
@@ -281,7 +296,7 @@ def device_report(cfg):
                         try:
                             row[f"{name}_graph_fwd_ms"] = _graph_time(*methods[name], cfg["repeats"]) * 1e3
                         except Exception as e:
-                            row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                            row[f"{name}_graph_error"] = _one_line(e)
                     if "ours_graph_fwd_ms" in row and "flash_graph_fwd_ms" in row:
                         row["graph_speedup_vs_flash_fwd"] = row["flash_graph_fwd_ms"] / row["ours_graph_fwd_ms"]
                 if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
@@ -352,10 +367,8 @@ def sweep(cfg):
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
                          "set before starting Python, to check the bookkeeping on a CPU)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    out = cfg["sweep_out"] or "results/kernel_sweep_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
+    dev, gpu, dtype = _device()
+    out = _out_path(cfg["sweep_out"], "kernel_sweep", gpu)
     (B, H, D), = sizes(cfg, "sweep_shape", 3)
     tiles, warps, stages, programs = (integers(cfg, key, 1) for key in ("sweep_tiles", "sweep_warps", "sweep_stages", "sweep_programs"))
     defaults, default_programs = kernel._configs, kernel.STATE_PROGRAMS
@@ -380,7 +393,7 @@ def sweep(cfg):
                         row["rel_error"] = ((fn() - refs[kern]).norm() / refs[kern].norm()).item()
                         row["ms"] = _time(fn, cfg["repeats"]) * 1e3
                     except Exception as e:  # e.g. out of shared memory
-                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                        row["error"] = _one_line(e)
                     rows.append(row)
                     print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} stages={ns} programs={n_prog:<6} "
                           + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
