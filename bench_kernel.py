@@ -300,11 +300,8 @@ def device_report(cfg):
                     if "ours_graph_fwd_ms" in row and "flash_graph_fwd_ms" in row:
                         row["graph_speedup_vs_flash_fwd"] = row["flash_graph_fwd_ms"] / row["ours_graph_fwd_ms"]
                 if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
-                    flat = [x.reshape(B * H, T, -1) for x in (qf, kf, v)]
-                    ones = torch.ones(B * H, T, device=dev)
-                    row["ours_pass1_ms"] = _time(lambda: kernel._states(flat[1], flat[2], ones, False), cfg["repeats"]) * 1e3
-                    row["ours_pass2_ms"] = row["ours_fwd_ms"] - row["ours_pass1_ms"]
-                io = B * H * T * ((2 * F_ + D) * q.element_size() + D * 4)  # qf, kf, v in; y out (float32)
+                    row.update(_passes(qf, kf, v, methods["ours"], cfg["repeats"], closed_form=SQ > 0))
+                io = B * H * T * (2 * F_ + 2 * D) * q.element_size()  # qf, kf, v in; y out (in v's dtype, no_grad)
                 row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
                 row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
                 if "fla_fwd_ms" in row:
@@ -313,6 +310,7 @@ def device_report(cfg):
                 print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
                     f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods)
                     + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else "")
+                    + (f"  (ours unfused {row['ours_unfused_fwd_ms']:.3f} ms)" if "ours_unfused_fwd_ms" in row else "")
                     + "".join(f"  {m} graphed {row[m + '_graph_fwd_ms']:.3f}" for m in methods if m + "_graph_fwd_ms" in row), flush=True)
     print(f"saved {out}")
     plot_report(rows, out.replace(".json", ".png"))
@@ -356,54 +354,90 @@ def closed_form(cfg):
     print(f"saved {out}")
 
 
+def _passes(qf, kf, v, ours, repeats, closed_form=False):
+    """Where our Triton forward's time goes (B, H, T, . inputs; ours: the timed forward, (fn, args)):
+    pass 1 alone, the chunk states, or where the forward is fused (bf16, F <= kernel.FUSED_MAX_F, no
+    closed form), what comes before the fused kernel, the segments' sums; and for a fused forward, the
+    same forward unfused (pass 1 then pass 2), to compare the two designs."""
+    B, H, T, F_ = qf.shape
+    k, v3 = (x.reshape(B * H, T, -1) for x in (kf, v))
+    out = {}
+    fused_max_f = kernel.FUSED_MAX_F
+    if qf.dtype == torch.bfloat16 and F_ <= fused_max_f and not closed_form:
+        NV = -(-v.shape[-1] // kernel._configs(F_, v.shape[-1])["fused"]["BV"])  # value tiles
+        L, NS = kernel._segments(-(-T // kernel.CHUNK), B * H * NV)
+        out["ours_pass1_ms"] = _time(lambda: kernel._segment_sums(k, v3, None, L, NS, False), repeats) * 1e3
+        try:
+            kernel.FUSED_MAX_F = 0
+            with torch.no_grad():  # as the forward above was timed
+                out["ours_unfused_fwd_ms"] = _time(lambda: ours[0](*ours[1]), repeats) * 1e3
+        finally:
+            kernel.FUSED_MAX_F = fused_max_f
+    else:
+        out["ours_pass1_ms"] = _time(lambda: kernel._states(k, v3, None, False), repeats) * 1e3
+    return out
+
+
 def sweep(cfg):
     """Pass 1's and pass 2's launch settings timed on this machine's Triton, to choose kernel._configs from
-    measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16 on a GPU, at each of
-    sweep_lengths, pass 1 (kernel._states) for every BK, BV in sweep_tiles, num_warps in sweep_warps,
-    num_stages in sweep_stages and STATE_PROGRAMS in sweep_programs, and the forward for every BK, BV,
-    num_warps, num_stages of pass 2 (the output kernel; pass 1 at its defaults). Each is checked against
-    the defaults' result before it is timed; settings that do not compile are recorded with their error.
+    measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16, at each of
+    sweep_lengths: the fused forward (when F <= kernel.FUSED_MAX_F; the segments' sums at their defaults)
+    for every BV in sweep_tiles, num_warps in sweep_warps, num_stages in sweep_stages, STATE_PROGRAMS in
+    sweep_programs and MIN_SEGMENT in sweep_min_segments; pass 1 (kernel._states) for every BK, BV, warps, stages and STATE_PROGRAMS; and the
+    forward not fused for every BK, BV, warps and stages of pass 2 (the output kernel; pass 1 at its
+    defaults). Each is checked against the defaults' result before it is timed; settings that do not
+    compile are recorded with their error.
     Writes results/kernel_sweep_<gpu>.json after every setting."""
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
                          "set before starting Python, to check the bookkeeping on a CPU)")
-    dev, gpu, dtype = _device()
+    dev, gpu, _ = _device()
+    dtype = torch.bfloat16  # the GPU's fast path (the interpreter emulates it)
     out = _out_path(cfg["sweep_out"], "kernel_sweep", gpu)
     (B, H, D), = sizes(cfg, "sweep_shape", 3)
-    tiles, warps, stages, programs = (integers(cfg, key, 1) for key in ("sweep_tiles", "sweep_warps", "sweep_stages", "sweep_programs"))
-    defaults, default_programs = kernel._configs, kernel.STATE_PROGRAMS
+    tiles, warps, stages, programs, min_segments = (integers(cfg, key, 1) for key in (
+        "sweep_tiles", "sweep_warps", "sweep_stages", "sweep_programs", "sweep_min_segments"))
+    defaults, default_programs, fused_max_f = kernel._configs, kernel.STATE_PROGRAMS, kernel.FUSED_MAX_F
+    default_min_segment = kernel.MIN_SEGMENT
     rows = []
     try:
         for T in integers(cfg, "sweep_lengths", 1):
             g = torch.Generator().manual_seed(0)
             q, k = (torch.rand(B * H, T, 2 * D, generator=g).to(dev, dtype) for _ in range(2))
             v = torch.randn(B * H, T, D, generator=g).to(dev, dtype)
-            ones = torch.ones(B * H, T, device=dev)
-            runs = {"states": lambda: kernel._states(k, v, ones, False)[0],
-                    "output": lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]}
-            refs = {kern: fn() for kern, fn in runs.items()}
+            forward = lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]
+            runs = {"fused": forward} if 2 * D <= fused_max_f else {}
+            runs.update(states=lambda: kernel._states(k, v, None, False)[0], output=forward)  # output: not fused
             for kern, fn in runs.items():
-                counts = programs if kern == "states" else [default_programs]
-                for BK, BV, nw, ns, n_prog in itertools.product(tiles, tiles, warps, stages, counts):
+                kernel._configs, kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT = defaults, default_programs, default_min_segment
+                kernel.FUSED_MAX_F = 0 if kern == "output" else fused_max_f
+                ref = fn()
+                BKs = [kernel._tile(2 * D, 128)] if kern == "fused" else tiles  # fused: the state is one tile of F
+                counts = [default_programs] if kern == "output" else programs
+                mins = min_segments if kern == "fused" else [default_min_segment]
+                for BK, BV, nw, ns, n_prog, n_min in itertools.product(BKs, tiles, warps, stages, counts, mins):
                     meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=ns)
                     kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
-                    kernel.STATE_PROGRAMS = n_prog
-                    row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, **meta)
+                    kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT = n_prog, n_min
+                    row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, min_segment=n_min, **meta)
                     try:
-                        row["rel_error"] = ((fn() - refs[kern]).norm() / refs[kern].norm()).item()
+                        row["rel_error"] = ((fn() - ref).norm() / ref.norm()).item()
                         row["ms"] = _time(fn, cfg["repeats"]) * 1e3
                     except Exception as e:  # e.g. out of shared memory
                         row["error"] = _one_line(e)
                     rows.append(row)
                     print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} stages={ns} programs={n_prog:<6} "
+                          f"min_segment={n_min:<3} "
                           + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
                           flush=True)
                     with open(out, "w") as f:
                         json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "rows": rows,
-                                   "defaults": defaults(2 * D, D), "state_programs": default_programs, "config": cfg},
+                                   "defaults": defaults(2 * D, D), "state_programs": default_programs,
+                                   "min_segment": default_min_segment, "config": cfg},
                                   f, indent=1)
     finally:
-        kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
+        kernel._configs, kernel.STATE_PROGRAMS, kernel.FUSED_MAX_F = defaults, default_programs, fused_max_f
+        kernel.MIN_SEGMENT = default_min_segment
     print(f"saved {out}")
     return rows
 
@@ -472,13 +506,14 @@ if __name__ == "__main__":
         "report_out": "",  # report: default results/kernel_<gpu>.json
         "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
-        "sweep": False,  # pass 1's and pass 2's tiles, warps and segments timed instead (see sweep)
+        "sweep": False,  # the kernels' tiles, warps and segments timed instead (see sweep)
         "sweep_shape": "1x12x64",  # sweep: B x H x D, Hedgehog's F = 2D
         "sweep_lengths": "4096,32768",
         "sweep_tiles": "32,64",  # sweep: BK and BV
         "sweep_warps": "4,8",
-        "sweep_stages": "2,3",
-        "sweep_programs": "1024,4096,16384",  # sweep: pass 1's STATE_PROGRAMS
+        "sweep_stages": "2",  # (2,3 doubles the settings)
+        "sweep_programs": "1024,4096,16384",  # sweep: STATE_PROGRAMS of pass 1 and the fused pass
+        "sweep_min_segments": "8,32",  # sweep: MIN_SEGMENT of the fused pass (longer walks, fewer launches)
         "sweep_out": "",  # sweep: default results/kernel_sweep_<gpu>.json
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")

@@ -10,7 +10,7 @@ resource usage; ptxas and cuobjdump ship with triton).
 
 Prints the worst case per kernel, arch and dtype and saves every launch to results/build_check.json;
 exits 1 if any launch does not fit. The launches are recorded, not run: the forward and backward run
-on meta tensors (shapes, no data) with kernel.py's five kernels swapped for recorders of their
+on meta tensors (shapes, no data) with kernel.py's six kernels swapped for recorders of their
 launches. The shapes are kernel.BUILD_F x kernel.BUILD_DV, and for the closed-form scores (Taylor, the
 quadratic, OAL) kernel.BUILD_SQUARES x kernel.BUILD_DV; kernel.COVERED (what backend="auto" trusts on
 CUDA) is the set of launch settings they compile to. kernel._configs' tiles, warps and stages were
@@ -39,7 +39,7 @@ from triton.compiler import ASTSource
 SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
 
 
-KERNELS = ("_states_kernel", "_output_kernel", "_dqk_kernel", "_dv_kernel", "_dsquares_kernel")
+KERNELS = ("_states_kernel", "_fused_kernel", "_output_kernel", "_dqk_kernel", "_dv_kernel", "_dsquares_kernel")
 
 
 class Recorder:
@@ -54,8 +54,9 @@ class Recorder:
 
 def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
     """The kernel launches of one forward and one backward at these sizes (SQ > 0: with the closed-form
-    scores on D dims), and of one forward without a backward, recorded on meta tensors."""
-    log, jitted = [], {name: getattr(kernel, name) for name in KERNELS}
+    scores on D dims), of one forward without a backward, and where the forward is fused (bfloat16, F within
+    kernel.FUSED_MAX_F, no closed form), of the forwards not fused (pass 1 and pass 2, which bench_kernel.py's sweep times too), recorded on meta tensors."""
+    log, jitted, fused_max_f = [], {name: getattr(kernel, name) for name in KERNELS}, kernel.FUSED_MAX_F
     try:
         for name, fn in jitted.items():
             setattr(kernel, name, Recorder(fn, log))
@@ -68,8 +69,13 @@ def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
         y, den = kernel._triton_forward(q, k, v, kernel.EPS, sq)
         kernel._triton_backward(q, k, v, y, den, torch.empty_like(v), sq)
         kernel._triton_forward(q, k, v, kernel.EPS, sq, out_dtype=dtype)  # without a backward: y in v's dtype
+        if dtype == torch.bfloat16 and F_ <= fused_max_f and not SQ:
+            kernel.FUSED_MAX_F = 0
+            kernel._triton_forward(q, k, v, kernel.EPS, sq)
+            kernel._triton_forward(q, k, v, kernel.EPS, sq, out_dtype=dtype)
         return log
     finally:
+        kernel.FUSED_MAX_F = fused_max_f
         for name, fn in jitted.items():
             setattr(kernel, name, fn)
 
@@ -104,7 +110,7 @@ def programs(kern, F_, Dv, BH, T):
     cfg, N = kernel._configs(F_, Dv)[kern], triton.cdiv(T, kernel.CHUNK)
     if kern == "dsquares":
         return N * BH
-    if kern == "states":
+    if kern in ("states", "fused"):
         tiles = triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
         return tiles * kernel._segments(N, tiles)[1]
     return (triton.cdiv(F_, cfg["BK"]) if kern == "dqk" else triton.cdiv(Dv, cfg["BV"])) * N * BH
@@ -139,7 +145,7 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
                                      ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
     if verbose:
         print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(shapes)} shapes, a forward and a backward of 4-5 kernels each and a forward without one, T = {T}); "
+              f"{len(shapes)} shapes, a forward and a backward of 2-5 kernels each, a forward without one, and both unfused where fused, T = {T}); "
               "worst case per kernel, arch and dtype:")
         print(f"{'kernel':<16} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")
@@ -149,8 +155,9 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
             groups.setdefault((r["kernel"] + ("+squares" if with_sq else ""), r["arch"], r["dtype"]), []).append(r)
         for (kern, arch, dtype), rs in groups.items():
             tiles = sorted({f"{r['BK']}x{r['BV']}" for r in rs}, key=lambda t: [int(x) for x in t.split("x")])
-            print(f"{kern:<16} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {'/'.join(sorted({str(r['num_warps']) for r in rs})):>5} "
-                  f"{rs[0]['num_stages']:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
+            warps, stages = ("/".join(sorted({str(r[key]) for r in rs})) for key in ("num_warps", "num_stages"))
+            print(f"{kern:<16} {'sm_' + str(arch):>5} {dtype:>9} {tiles[0] + '..' + tiles[-1]:>13} {warps:>5} "
+                  f"{stages:>6} {max(r['shared'] for r in rs) / 1024:>8.1f} ({SHARED_PER_BLOCK[arch] // 1024})"
                   f" {max(r['regs'] for r in rs):>5} {sum(r['stack'] > 0 for r in rs):>6} {sum(not r['ok'] for r in rs):>4}"
                   f"   {programs(kern.removesuffix('+squares'), 64, 64, 12, 32768)}")
         bad = [r for r in rows if not r["ok"]]

@@ -32,6 +32,13 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles; y in float32
                            when a backward will need it, else in v's dtype at once.
+  fused   _fused_kernel    grid (B*H*NS, Dv/BV), the forward for bfloat16 inputs with F <= FUSED_MAX_F
+                           and no closed form (one tile of state, Hedgehog's 2D at D <= 64; float32
+                           dots or the closed form's terms do not fit the registers): pass 1's segment sums and their running sum, then
+                           each segment walked once with pass 2's output computed at every chunk from
+                           the state in registers, so the states never go to memory, and a sequence of
+                           one segment is one launch (after flash-linear-attention's fused_chunk, which
+                           walks the whole sequence in one program).
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
                            q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
@@ -49,10 +56,12 @@ Cost per token and head, forward, C = 64: pass 1 4 F Dv flops (2 F Dv with one s
 2 C (SQ D + Dv) + 2 F Dv), against FlashAttention's 2 D T (causal). Bytes per token and head: q, k, v in
 (k and v twice more in pass 1), y out, and the state, F Dv 2 / C bytes (bf16; 4 in float32) written once
 by pass 1 and read once by pass 2. The states take B H (T/C) F Dv 2 (or 4) bytes, twice that in the
-backward. Pass 1's serial part is one segment's L chunks. Two earlier designs measured on a GPU
-(docs/results.md): one walked all T/C chunks in B H (F/BK) (Dv/BV) programs; the next summed every chunk
-at once and took the prefix sum over all the states with torch.cumsum and torch.cat, which moved them
-through memory five times.
+backward. The fused forward reads k and v once for the segment sums (not at all with one segment),
+then q, k, v once, writes y, and keeps no states: the same flops, with the chunk scores computed Dv/BV
+times. The serial part of pass 1 (and of the fused pass) is one segment's L chunks. Two earlier designs
+measured on a GPU (docs/results.md): one walked all T/C chunks in B H (F/BK) (Dv/BV) programs; the next
+summed every chunk at once and took the prefix sum over all the states with torch.cumsum and torch.cat,
+which moved them through memory five times.
 Tiles, warps and stages (_configs) were chosen with the build check:
 `python build_check.py` compiles every launch ahead of time for sm_80 and sm_90 on any machine
 (triton.compile with a GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and
@@ -64,7 +73,8 @@ the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
 the build check. The kernels ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32 inputs, checked
 against float64 at the sizes timed there; docs/results.md) with pass 1 segmented as now, except that its
-segment offsets were then a torch.cat of zeros and a cumsum, and its states stored in float32.
+segment offsets were then a torch.cat of zeros and a cumsum, and its states stored in float32; the
+fused forward has not run on a GPU yet.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import functools
@@ -221,9 +231,9 @@ if HAS_TRITON:
         # same products (exact in float32), summed in float32.
         if BF16:
             if EMULATE:
-                return tl.dot(_round_bf16(a), _round_bf16(b))
+                return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)))
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
 
     @triton.jit
     def _square_scores(a_ptr, b_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H,
@@ -336,6 +346,46 @@ if HAS_TRITON:
         tl.store(y_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], y.to(y_ptr.dtype.element_ty), mask=in_v)
         if i_v == 0:
             tl.store(den_ptr + bh * T + t, den, mask=t < T)
+
+    @triton.jit(do_not_specialize=["T", "N", "L"])  # one compiled kernel for every length
+    def _fused_kernel(q_ptr, k_ptr, v_ptr, S0_ptr, z0_ptr, y_ptr, den_ptr, T, F, DV, N, L, eps,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr):
+        # The forward in one pass for F within one tile (BK >= F): pass 1's walk and pass 2 together, the
+        # state kept in registers instead of stored. Program (bh * NS + s, i_v): segment s's L chunks,
+        # value columns [i_v BV, +BV). It starts from S0[bh, s - 1], z0[bh, s - 1] (the running sums of
+        # pass 1 with WALK = False over the segments before; zero at s = 0), and at each chunk n
+        #     A = tril(q k^T),  y = (A v + q S) / (A 1 + q z + eps),  then  S += k^T v,  z += k^T 1
+        i_s, i_v = tl.program_id(0), tl.program_id(1)
+        NS = tl.cdiv(N, L)
+        bh, s = i_s // NS, i_s % NS
+        rk = tl.arange(0, BK)
+        rv = i_v * BV + tl.arange(0, BV)
+        rt = tl.arange(0, C)
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+        z = tl.zeros((BK,), dtype=tl.float32)
+        if s > 0:
+            S += tl.load(S0_ptr + (i_s - 1).to(tl.int64) * F * DV + rk[:, None] * DV + rv[None, :],
+                         mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
+            z += tl.load(z0_ptr + (i_s - 1).to(tl.int64) * F + rk, mask=rk < F, other=0.0)
+        for j in range(0, L):
+            t0 = bh.to(tl.int64) * T + (s * L + j) * C  # chunk s L + j's first token (past N: loads zeros, stores nothing)
+            t = (s * L + j) * C + rt
+            in_k = (t[:, None] < T) & (rk[None, :] < F)
+            in_v = (t[:, None] < T) & (rv[None, :] < DV)
+            tile_k, tile_v = rt[:, None] * F + rk[None, :], rt[:, None] * DV + rv[None, :]  # int32 offsets in the chunk
+            q = tl.load(q_ptr + t0 * F + tile_k, mask=in_k, other=0.0)  # (C, BK), in the inputs' dtype
+            k = tl.load(k_ptr + t0 * F + tile_k, mask=in_k, other=0.0)
+            v = tl.load(v_ptr + t0 * DV + tile_v, mask=in_v, other=0.0)  # (C, BV)
+            A = tl.where(rt[:, None] >= rt[None, :], _dot(q, tl.trans(k), BF16), 0.0)  # (C, C)
+            den = tl.sum(A, 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps  # (C,)
+            y = (_dot(q, S, BF16) + _dot(A, v, BF16)) / den[:, None]  # S rounded to bf16 in the dot, as pass 1 stores it
+            if EMULATE and y_ptr.dtype.element_ty == tl.bfloat16:  # rounded as the GPU stores it (see _round_bf16)
+                y = _round_bf16(y)
+            tl.store(y_ptr + t0 * DV + tile_v, y.to(y_ptr.dtype.element_ty), mask=in_v)
+            if i_v == 0:
+                tl.store(den_ptr + t0 + rt, den, mask=t < T)
+            S += _dot(tl.trans(k), v, BF16)
+            z += tl.sum(k.to(tl.float32), 0)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _dqk_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, S_ptr, z_ptr, R_ptr, r_ptr, dq_ptr, dk_ptr,
@@ -465,6 +515,7 @@ if HAS_TRITON:
 CHUNK = 64  # tokens per chunk in the Triton kernels
 STATE_PROGRAMS = 4096  # pass 1's programs per launch, about: enough to fill a GPU of ~100 SMs several times over
 MIN_SEGMENT = 8  # chunks: pass 1 is one launch, a walk of the whole sequence, up to 8 chunks (512 tokens)
+FUSED_MAX_F = 128  # features up to which a bf16 forward is the fused pass (the state one tile); 0: pass 1, pass 2
 
 
 def _tile(n, cap):
@@ -479,6 +530,8 @@ def _configs(F, Dv, squares=False):
     registers (`python build_check.py` compiles them all and prints the cost of each). Read only."""
     # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16)
     return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=2),
+            # fused (bf16 only): BV = 64, or pipelined loads at F not a multiple of 16, spill on sm_80 (triton 3.6)
+            "fused": dict(BK=_tile(F, 128), BV=_tile(Dv, 32), num_warps=8, num_stages=2 if F % 16 == 0 else 1),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             # 4 warps at Dv <= 32: with 8, triton 3.6 spills 8 bytes on sm_80 (bf16 inputs, F not a multiple of 16);
@@ -504,30 +557,43 @@ def _segments(N, programs):
     return L, triton.cdiv(N, L)
 
 
+def _segment_sums(k, v, w, L, NS, reverse):
+    """Pass 1 with WALK=False, then a running sum over segments: S0 (BH, NS, F, Dv) and z0 (BH, NS, F),
+    float32, row p the sum of k^T v and k^T w (w: (BH, T), or None for ones) over the segments walked up
+    to and including the p-th (in walk order). With NS = 1 nothing reads them: left unset, no launch."""
+    BH, T, F_ = k.shape
+    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    S0 = torch.empty(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)
+    z0 = torch.empty(BH, NS, F_, device=k.device, dtype=torch.float32)
+    if NS > 1:
+        cfg = _configs(F_, Dv)["states"]
+        w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
+        tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
+        _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse), C=CHUNK,
+                                          BF16=k.dtype == torch.bfloat16, WALK=False, **cfg)  # (S, z unused)
+        S0.cumsum_(1)
+        z0.cumsum_(1)
+    return S0, z0
+
+
 def _states(k, v, w, reverse):
     """Pass 1: exclusive running sums over chunks of k^T v (BH, N, F, Dv; stored in bfloat16 for bfloat16 k,
-    else float32) and k^T w (BH, N, F, float32), accumulated in float32 (w: (BH, T)). The chunks are split
-    into NS segments of L: each segment's sum (the kernel, WALK=False, stored in walk order), their running
-    sum over segments (small: BH NS F Dv floats, one in-place cumsum), then each segment walked from the
-    sum before it (WALK=True), writing the state before each chunk once. NS gives about STATE_PROGRAMS
-    programs per launch."""
+    else float32) and k^T w (BH, N, F, float32), accumulated in float32 (w: (BH, T), or None for ones).
+    The chunks are split into NS segments of L: each segment's sum and their running sum (_segment_sums),
+    then each segment walked from the sum before it (WALK=True), writing the state before each chunk once.
+    NS gives about STATE_PROGRAMS programs per launch."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     cfg = _configs(F_, Dv)["states"]
     tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
-    S0 = torch.empty(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)  # segment sums, then their running sums
-    z0 = torch.empty(BH, NS, F_, device=k.device, dtype=torch.float32)  # (unread when NS = 1)
+    w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
+    S0, z0 = _segment_sums(k, v, w, L, NS, reverse)
     bf16 = k.dtype == torch.bfloat16  # S meets only bf16 dots then: stored rounded, half the bytes, same results
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
-    args = (k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse))
-    meta = dict(C=CHUNK, BF16=bf16, **cfg)
-    if NS > 1:
-        _states_kernel[(BH * NS, *tiles)](*args, WALK=False, **meta)
-        S0.cumsum_(1)
-        z0.cumsum_(1)
-    _states_kernel[(BH * NS, *tiles)](*args, WALK=True, **meta)
+    _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), C=CHUNK, BF16=bf16,
+                                      WALK=True, **cfg)
     return S, z
 
 
@@ -535,16 +601,25 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
     """q, k (BH, T, F), v (BH, T, Dv) contiguous -> y (BH, T, Dv) in out_dtype, den (BH, T) float32. The
     backward needs y in float32: its dden = -(dnum . y) cancels against dnum . v. Without a backward, y is
     written in v's dtype at once. sq: the closed form (qs, ks (BH, T, D), lam (H, SQ, D), c (H, SQ),
-    base (H,)), or None."""
+    base (H,)), or None. bfloat16 with F up to FUSED_MAX_F and no closed form: the fused pass (each
+    segment's sum, then _fused_kernel); else pass 1 then pass 2."""
     BH, T, F_ = q.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
-    S, z = _states(k, v, torch.ones(BH, T, device=q.device, dtype=torch.float32), reverse=False)
     y = torch.empty(BH, T, Dv, device=q.device, dtype=out_dtype)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
-    cfg = _configs(F_, Dv)["output"]
     sq_args, sq_meta = _squares_args(sq, q)
+    bf16 = q.dtype == torch.bfloat16
+    if bf16 and F_ <= FUSED_MAX_F and sq is None:
+        cfg = _configs(F_, Dv)["fused"]
+        NV = triton.cdiv(Dv, cfg["BV"])
+        L, NS = _segments(N, BH * NV)
+        S0, z0 = _segment_sums(k, v, None, L, NS, reverse=False)
+        _fused_kernel[(BH * NS, NV)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, BF16=bf16, **cfg)
+        return y, den
+    S, z = _states(k, v, None, reverse=False)
+    cfg = _configs(F_, Dv)["output"]
     _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
-                                                        BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
+                                                        BF16=bf16, **sq_meta, **cfg)
     return y, den
 
 
@@ -555,7 +630,7 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
     dnum = dy.float() / den[..., None]  # dL/dnum, (BH, T, Dv)
     dden = -(dnum * y).sum(-1)  # dL/dden = -(dy . y) / den, (BH, T)
-    S, z = _states(k, v, torch.ones_like(dden), reverse=False)
+    S, z = _states(k, v, None, reverse=False)
     R, r = _states(q, dnum, dden, reverse=True)  # R[n] = sum_{m>n} q_m^T dnum_m, r[n] = sum_{m>n} q_m^T dden_m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg, bf16 = _configs(F_, Dv, squares=sq is not None), q.dtype == torch.bfloat16

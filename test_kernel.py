@@ -54,27 +54,63 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
         assert err < tol, err
 
 
+def _spy_on_fused(monkeypatch):
+    """The grids of kernel._fused_kernel's launches from now on, in a list (the kernel still runs)."""
+    launched, real = [], kernel._fused_kernel
+    monkeypatch.setattr(kernel, "_fused_kernel", type("Spy", (), {"__getitem__": lambda _, grid: launched.append(grid) or real[grid]})())
+    return launched
+
+
 @needs_triton
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("programs,min_segment,segments", [(8, 8, (11, 1)), (24, 8, (8, 2)), (32, 2, (3, 4))])
-def test_kernel_segments_match_float64(programs, min_segment, segments, monkeypatch):
+def test_kernel_segments_match_float64(programs, min_segment, segments, fused, monkeypatch):
     """Pass 1 in segments: at 8 programs per launch the 11 chunks are one segment, walked in one program
     per tile; at 24 they are two, of 8 and 3 chunks (the last one short); at 32 with segments of at least
     2 chunks, four, of 3, 3, 3 and 2 (the middle ones start from a running sum over segments). Summed,
     running-summed and walked, forwards for the forward's states and backwards for the backward's.
-    Forward and gradients."""
+    fused: bfloat16 inputs, whose forward is the fused pass (4 programs per segment: segments of 8, 3 /
+    8, 3 / 2 x 5, 1 chunks); else float32, pass 1 and pass 2. Forward and gradients."""
     monkeypatch.setattr(kernel, "MIN_SEGMENT", min_segment)
     monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)  # B H = 4 and 2 x 1 tiles: 8 programs per segment
     assert kernel._segments(11, 8) == segments  # (L chunks per segment, NS segments)
+    launched = _spy_on_fused(monkeypatch)
+    dtype = torch.bfloat16 if fused else torch.float32
     g = torch.Generator().manual_seed(0)
-    qf, kf = (torch.rand(2, 2, 650, 33, generator=g) for _ in range(2))
-    v, dy = (torch.randn(2, 2, 650, 17, generator=g) for _ in range(2))
+    qf, kf = (torch.rand(2, 2, 650, 33, generator=g).to(dtype) for _ in range(2))
+    v, dy = (torch.randn(2, 2, 650, 17, generator=g).to(dtype) for _ in range(2))
     ins = [x.to(DEV).requires_grad_() for x in (qf, kf, v)]
     y = kernel.causal_linear_attention(*ins, backend="triton")
     grads = torch.autograd.grad(y, ins, dy.to(DEV))
     ref_in = [x.double().requires_grad_() for x in (qf, kf, v)]
     ref = linear_attention_quadratic(*ref_in)
+    tol = 2e-2 if fused else 2e-3 if DEV == "cuda" else 1e-5  # bf16 outputs; float32 (TF32 dots on a GPU)
     for got, r in zip([y, *grads], [ref, *torch.autograd.grad(ref, ref_in, dy.double())]):
-        assert (got.double().cpu() - r).norm() / r.norm() < (2e-3 if DEV == "cuda" else 1e-5)  # TF32 dots on a GPU
+        assert (got.double().cpu() - r).norm() / r.norm() < tol
+    assert launched == ([(4 * kernel._segments(11, 4)[1], 1)] if fused else [])
+
+
+@needs_triton
+@pytest.mark.parametrize("programs,min_segment,segments", [(4, 8, (11, 1)), (8, 8, (8, 2)), (32, 2, (2, 6))])
+def test_kernel_fused_forward_is_the_unfused_one(programs, min_segment, segments, monkeypatch):
+    """The fused forward (bf16) against pass 1 then pass 2 on the same inputs: the same bf16 dots of the
+    same rounded operands, summed in another order in float32, so y (float32 for a backward) agrees to
+    float32 rounding, far below bf16's. In one segment, in segments of 8 and 3, and of 2 x 5 and 1 chunks;
+    T not a multiple of the chunk, F and Dv not multiples of 16 (Taylor's features at D = 8)."""
+    monkeypatch.setattr(kernel, "MIN_SEGMENT", min_segment)
+    monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)
+    assert kernel._segments(11, 4) == segments  # 11 chunks, 4 programs per segment (B H = 4, Dv in one tile)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(4, 650, 8, generator=g) for _ in range(2))
+    qf, kf = (x.bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q, k))  # F = 45
+    v = torch.randn(4, 650, 17, generator=g).bfloat16()
+    launched = _spy_on_fused(monkeypatch)
+    fused = kernel._triton_forward(qf, kf, v, kernel.EPS)
+    monkeypatch.setattr(kernel, "FUSED_MAX_F", 0)
+    unfused = kernel._triton_forward(qf, kf, v, kernel.EPS)
+    assert len(launched) == 1  # the first forward only
+    for a, b in zip(fused, unfused):  # y, den
+        assert (a - b).norm() / b.norm() < 1e-5
 
 
 @needs_triton
@@ -119,25 +155,45 @@ def test_kernel_states_are_stored_as_the_dots_use_them(dtype, monkeypatch):
 @needs_triton
 def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
     """bench_kernel.py --sweep=true at tiny sizes in the interpreter: one row per setting, each run with
-    the settings it records (seen from inside pass 1) and checked against the defaults' result; the
+    the settings it records (seen from inside kernel._segments) and checked against the defaults' result; the
     defaults are back afterwards."""
     import bench_kernel
     seen, segments = [], kernel._segments
 
-    def spy(N, programs):  # called by kernel._states after it has read its settings
-        seen.append((kernel.STATE_PROGRAMS, kernel._configs(32, 16)["states"]["BK"], kernel._configs(32, 16)["states"]["BV"]))
+    def spy(N, programs):  # called by kernel._states and the fused forward after they have read their settings
+        cfg = kernel._configs(32, 16)
+        seen.append((kernel.STATE_PROGRAMS, cfg["states"]["BK"], cfg["states"]["BV"], cfg["fused"]["BV"], kernel.FUSED_MAX_F,
+                     kernel.MIN_SEGMENT))
         return segments(N, programs)
     monkeypatch.setattr(kernel, "_segments", spy)
     defaults = kernel._configs
     cfg = dict(sweep_shape="1x2x16", sweep_lengths="650", sweep_tiles="32,64", sweep_warps="4", sweep_stages="2",
-               sweep_programs="8,4096", repeats=1, sweep_out=str(tmp_path / "s.json"))
+               sweep_programs="8,4096", sweep_min_segments="2,8", repeats=1, sweep_out=str(tmp_path / "s.json"))
     rows = bench_kernel.sweep(cfg)
-    assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096
+    assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096 and kernel.MIN_SEGMENT == 8
     states = [r for r in rows if r["kernel"] == "states"]
-    assert len(states) == 8 and len([r for r in rows if r["kernel"] == "output"]) == 4
-    assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= set(seen) and len(set(seen)) >= 8
-    assert all(r["rel_error"] < 1e-5 and r["ms"] > 0 for r in rows)
+    fused = [r for r in rows if r["kernel"] == "fused"]
+    assert len(states) == 8 and len(fused) == 8 and len([r for r in rows if r["kernel"] == "output"]) == 4
+    assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= {x[:3] for x in seen} and len(set(seen)) >= 8
+    assert {(r["programs"], r["BV"], r["min_segment"]) for r in fused} <= {(x[0], x[3], x[5]) for x in seen}
+    assert {x[4] for x in seen} == {0, 128} and kernel.FUSED_MAX_F == 128  # the output kernel's rows ran unfused
+    # against the defaults: forwards to float32 rounding; pass 1's states are stored in bf16 (the sweep's
+    # dtype), where a sum in another order can round an element one bf16 ulp the other way
+    assert all(r["rel_error"] < (1e-2 if r["kernel"] == "states" else 1e-5) and r["ms"] > 0 for r in rows)
     assert json.load(open(tmp_path / "s.json"))["rows"] == rows
+
+
+@needs_triton
+@pytest.mark.parametrize("F,keys", [(32, {"ours_pass1_ms", "ours_unfused_fwd_ms"}), (300, {"ours_pass1_ms"})])
+def test_kernel_report_times_the_passes(F, keys):
+    """The device report's split of our forward (bench_kernel._passes) in the interpreter, bf16: the
+    segments' sums and the unfused forward where F is fused, pass 1 where it is not; the setting is back
+    afterwards."""
+    import bench_kernel
+    qf, kf, v = (torch.rand(1, 2, 200, d, device=DEV, dtype=torch.bfloat16) for d in (F, F, 16))
+    ours = (lambda a, b, c: kernel.causal_linear_attention(a, b, c, backend="triton"), (qf, kf, v))
+    out = bench_kernel._passes(qf, kf, v, ours, repeats=1)
+    assert set(out) == keys and all(x > 0 for x in out.values()) and kernel.FUSED_MAX_F == 128
 
 
 def _has_nvidia_backend():
@@ -158,7 +214,7 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
     assert "launches fit in shared memory and do not spill" in out
     rows = json.load(open(tmp_path / "build_check.json"))
     assert {(r["F"], r["Dv"]) for r in rows} == {(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV}
-    assert {r["kernel"] for r in rows} == {"states", "output", "dqk", "dv", "dsquares"} and {r["arch"] for r in rows} == {80, 90}
+    assert {r["kernel"] for r in rows} == {"states", "fused", "output", "dqk", "dv", "dsquares"} and {r["arch"] for r in rows} == {80, 90}
     assert {(r["D"], r["SQ"]) for r in rows if r["SQ"]} == set(kernel.BUILD_SQUARES)
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad[:5]
