@@ -225,15 +225,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _dot(a, b, BF16: tl.constexpr):
-        # a @ b of float32 tiles, accumulated in float32. BF16: both operands rounded to bfloat16 first, a
-        # tensor-core dot on a GPU (float32 operands take TF32 there). The CPU interpreter's bf16 tl.dot gives
-        # wrong results, so there the operands are rounded as the GPU rounds them and go in as float32: the
-        # same products (exact in float32), summed in float32.
+        # a @ b of float32 tiles (bfloat16 ones too with BF16), accumulated in float32. BF16: both operands
+        # rounded to bfloat16 first, a tensor-core dot on a GPU (float32 operands take TF32 there). The CPU
+        # interpreter's bf16 tl.dot gives wrong results, so there the operands are rounded as the GPU rounds
+        # them and go in as float32: the same products (exact in float32), summed in float32.
         if BF16:
             if EMULATE:
                 return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)))
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(a, b)
 
     @triton.jit
     def _square_scores(a_ptr, b_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H,
