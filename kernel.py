@@ -210,7 +210,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 #
 # Layout: q, k (BH, T, F), v (BH, T, Dv), contiguous; chunk n holds tokens [n C, n C + C).
 # States: S (BH, N, F, Dv), bfloat16 for bfloat16 inputs, else float32, and z (BH, N, F), float32; S[n] is
-# the sum over the chunks before n, accumulated in float32.
+# the sum over the chunks before n, accumulated in float32. Segment sums: S0 and z0 share rows of F Dv + F
+# floats, (BH, NS, F Dv + F).
 
 if HAS_TRITON:
     EMULATE = tl.constexpr(INTERPRET)  # the CPU interpreter: bf16 dots emulated in float32 (see _dot)
@@ -229,11 +230,12 @@ if HAS_TRITON:
         # rounded to bfloat16 first, a tensor-core dot on a GPU (float32 operands take TF32 there). The CPU
         # interpreter's bf16 tl.dot gives wrong results, so there the operands are rounded as the GPU rounds
         # them and go in as float32: the same products (exact in float32), summed in float32.
-        if BF16:
-            if EMULATE:
-                return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)))
+        if not BF16:
+            return tl.dot(a, b)
+        elif EMULATE:
+            return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)))
+        else:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        return tl.dot(a, b)
 
     @triton.jit
     def _square_scores(a_ptr, b_ptr, lam_ptr, c_ptr, base_ptr, bh, t, T, D, H,
@@ -277,8 +279,8 @@ if HAS_TRITON:
         acc_z = tl.zeros((BK,), dtype=tl.float32)
         if WALK:
             if p > bh * NS:  # after the first segment walked (which starts from zero)
-                acc += tl.load(S0_ptr + (p - 1) * F * DV + S_tile, mask=in_S, other=0.0)
-                acc_z += tl.load(z0_ptr + (p - 1) * F + rk, mask=rk < F, other=0.0)
+                acc += tl.load(S0_ptr + (p - 1) * (F * DV + F) + S_tile, mask=in_S, other=0.0)
+                acc_z += tl.load(z0_ptr + (p - 1) * (F * DV + F) + rk, mask=rk < F, other=0.0)
         for j in range(0, L):
             n = s * L + j + REVERSE * (L - 1 - 2 * j)  # s L + j, or s L + L - 1 - j walking backwards
             # (chunks past N, in the last segment, load zeros and store nothing)
@@ -299,9 +301,9 @@ if HAS_TRITON:
                 w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)
                 acc_z += tl.sum(k * w[:, None], 0)
         if not WALK:
-            tl.store(S0_ptr + p * F * DV + S_tile, acc, mask=in_S)
+            tl.store(S0_ptr + p * (F * DV + F) + S_tile, acc, mask=in_S)
             if i_v == 0:
-                tl.store(z0_ptr + p * F + rk, acc_z, mask=rk < F)
+                tl.store(z0_ptr + p * (F * DV + F) + rk, acc_z, mask=rk < F)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
     def _output_kernel(q_ptr, k_ptr, v_ptr, S_ptr, z_ptr, y_ptr, den_ptr, T, F, DV, N, eps,
@@ -364,9 +366,10 @@ if HAS_TRITON:
         S = tl.zeros((BK, BV), dtype=tl.float32)
         z = tl.zeros((BK,), dtype=tl.float32)
         if s > 0:
-            S += tl.load(S0_ptr + (i_s - 1).to(tl.int64) * F * DV + rk[:, None] * DV + rv[None, :],
-                         mask=(rk[:, None] < F) & (rv[None, :] < DV), other=0.0)
-            z += tl.load(z0_ptr + (i_s - 1).to(tl.int64) * F + rk, mask=rk < F, other=0.0)
+            row = (i_s - 1).to(tl.int64) * (F * DV + F)
+            S += tl.load(S0_ptr + row + rk[:, None] * DV + rv[None, :], mask=(rk[:, None] < F) & (rv[None, :] < DV),
+                         other=0.0)
+            z += tl.load(z0_ptr + row + rk, mask=rk < F, other=0.0)
         for j in range(0, L):
             t0 = bh.to(tl.int64) * T + (s * L + j) * C  # chunk s L + j's first token (past N: loads zeros, stores nothing)
             t = (s * L + j) * C + rt
@@ -560,19 +563,19 @@ def _segments(N, programs):
 def _segment_sums(k, v, w, L, NS, reverse):
     """Pass 1 with WALK=False, then a running sum over segments: S0 (BH, NS, F, Dv) and z0 (BH, NS, F),
     float32, row p the sum of k^T v and k^T w (w: (BH, T), or None for ones) over the segments walked up
-    to and including the p-th (in walk order). With NS = 1 nothing reads them: left unset, no launch."""
+    to and including the p-th (in walk order). They share one buffer, rows of F Dv + F, so that one
+    cumsum takes both. With NS = 1 nothing reads them: left unset, no launch."""
     BH, T, F_ = k.shape
     Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
-    S0 = torch.empty(BH, NS, F_, Dv, device=k.device, dtype=torch.float32)
-    z0 = torch.empty(BH, NS, F_, device=k.device, dtype=torch.float32)
+    sums = torch.empty(BH, NS, F_ * Dv + F_, device=k.device, dtype=torch.float32)
+    S0, z0 = sums[..., :F_ * Dv].unflatten(-1, (F_, Dv)), sums[..., F_ * Dv:]
     if NS > 1:
         cfg = _configs(F_, Dv)["states"]
         w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
         tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
         _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse), C=CHUNK,
                                           BF16=k.dtype == torch.bfloat16, WALK=False, **cfg)  # (S, z unused)
-        S0.cumsum_(1)
-        z0.cumsum_(1)
+        sums.cumsum_(1)
     return S0, z0
 
 
