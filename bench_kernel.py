@@ -25,7 +25,8 @@ Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two wit
 in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
 would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
 (fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
-pass 1 alone (the chunk states; pass 2 and the rest is the remainder), and the forwards of FlashAttention,
+pass 1 alone (the chunk states, pass 2 the remainder; where the forward is fused, the segments' sums
+before the fused kernel), the unfused forward beside a fused one, and the forwards of FlashAttention,
 ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
 short sequences at batch 1). The forwards run under torch.no_grad, as inference does. Writes
 results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch

@@ -1,9 +1,10 @@
 """
 The tests of kernel.py and build_check.py: the chunked fallback and the Triton kernels against float64
-at odd sizes and in every dtype, forward and gradients; the polynomial maps' closed form in the tiles;
-the bf16 dots; the build check for sm_80 and sm_90; what backend="auto" trusts. The Triton kernels run
-in Triton's CPU interpreter here (test_all.py sets TRITON_INTERPRET before triton is imported; it is
-imported first below) and on the GPU on a CUDA machine.
+at odd sizes and in every dtype, forward and gradients; pass 1's segments and the fused forward; the
+polynomial maps' closed form in the tiles; the bf16 dots; bench_kernel's sweep and passes; the build
+check for sm_80 and sm_90; what backend="auto" trusts. The Triton kernels run in Triton's CPU
+interpreter here (test_all.py sets TRITON_INTERPRET before triton is imported; it is imported first
+below) and on the GPU on a CUDA machine.
 """
 import json
 import os
