@@ -34,11 +34,12 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            when a backward will need it, else in v's dtype at once.
   fused   _fused_kernel    grid (B*H*NS, Dv/BV), the forward for bfloat16 inputs with F <= FUSED_MAX_F
                            and no closed form (one tile of state, Hedgehog's 2D at D <= 64; float32
-                           dots or the closed form's terms do not fit the registers): pass 1's segment sums and their running sum, then
-                           each segment walked once with pass 2's output computed at every chunk from
-                           the state in registers, so the states never go to memory, and a sequence of
-                           one segment is one launch (after flash-linear-attention's fused_chunk, which
-                           walks the whole sequence in one program).
+                           dots or the closed form's terms do not fit the registers): pass 1's segment
+                           sums and their running sum, then each segment walked once with pass 2's
+                           output computed at every chunk from the state in registers, so the states
+                           never go to memory, and a sequence of one segment is one launch (after
+                           flash-linear-attention's fused_chunk, which walks a whole sequence in one
+                           program).
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
                            q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
@@ -351,9 +352,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["T", "N", "L"])  # one compiled kernel for every length
     def _fused_kernel(q_ptr, k_ptr, v_ptr, S0_ptr, z0_ptr, y_ptr, den_ptr, T, F, DV, N, L, eps,
-                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr):
-        # The forward in one pass for F within one tile (BK >= F): pass 1's walk and pass 2 together, the
-        # state kept in registers instead of stored. Program (bh * NS + s, i_v): segment s's L chunks,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        # The forward in one pass for bf16 inputs with F within one tile (BK >= F): pass 1's walk and pass 2
+        # together, the state kept in registers instead of stored. Program (bh * NS + s, i_v): segment s's L chunks,
         # value columns [i_v BV, +BV). It starts from S0[bh, s - 1], z0[bh, s - 1] (the running sums of
         # pass 1 with WALK = False over the segments before; zero at s = 0), and at each chunk n
         #     A = tril(q k^T),  y = (A v + q S) / (A 1 + q z + eps),  then  S += k^T v,  z += k^T 1
@@ -379,15 +380,15 @@ if HAS_TRITON:
             q = tl.load(q_ptr + t0 * F + tile_k, mask=in_k, other=0.0)  # (C, BK), in the inputs' dtype
             k = tl.load(k_ptr + t0 * F + tile_k, mask=in_k, other=0.0)
             v = tl.load(v_ptr + t0 * DV + tile_v, mask=in_v, other=0.0)  # (C, BV)
-            A = tl.where(rt[:, None] >= rt[None, :], _dot(q, tl.trans(k), BF16), 0.0)  # (C, C)
+            A = tl.where(rt[:, None] >= rt[None, :], _dot(q, tl.trans(k), True), 0.0)  # (C, C)
             den = tl.sum(A, 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps  # (C,)
-            y = (_dot(q, S, BF16) + _dot(A, v, BF16)) / den[:, None]  # S rounded to bf16 in the dot, as pass 1 stores it
+            y = (_dot(q, S, True) + _dot(A, v, True)) / den[:, None]  # S rounded to bf16 in the dot, as pass 1 stores it
             if EMULATE and y_ptr.dtype.element_ty == tl.bfloat16:  # rounded as the GPU stores it (see _round_bf16)
                 y = _round_bf16(y)
             tl.store(y_ptr + t0 * DV + tile_v, y.to(y_ptr.dtype.element_ty), mask=in_v)
             if i_v == 0:
                 tl.store(den_ptr + t0 + rt, den, mask=t < T)
-            S += _dot(tl.trans(k), v, BF16)
+            S += _dot(tl.trans(k), v, True)
             z += tl.sum(k.to(tl.float32), 0)
 
     @triton.jit(do_not_specialize=["T", "N"])  # one compiled kernel for every length
@@ -617,7 +618,7 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
         NV = triton.cdiv(Dv, cfg["BV"])
         L, NS = _segments(N, BH * NV)
         S0, z0 = _segment_sums(k, v, None, L, NS, reverse=False)
-        _fused_kernel[(BH * NS, NV)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, BF16=bf16, **cfg)
+        _fused_kernel[(BH * NS, NV)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, **cfg)
         return y, den
     S, z = _states(k, v, None, reverse=False)
     cfg = _configs(F_, Dv)["output"]
