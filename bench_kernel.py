@@ -380,15 +380,15 @@ def _passes(qf, kf, v, ours, repeats, closed_form=False):
 
 
 def sweep(cfg):
-    """Pass 1's and pass 2's launch settings timed on this machine's Triton, to choose kernel._configs from
+    """The kernels' launch settings timed on this machine's Triton, to choose kernel._configs from
     measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16, at each of
     sweep_lengths: the fused forward (when F <= kernel.FUSED_MAX_F; the segments' sums at their defaults)
     for every BV in sweep_tiles, num_warps in sweep_warps, num_stages in sweep_stages, STATE_PROGRAMS in
-    sweep_programs and MIN_SEGMENT in sweep_min_segments; pass 1 (kernel._states) for every BK, BV, warps, stages and STATE_PROGRAMS; and the
-    forward not fused for every BK, BV, warps and stages of pass 2 (the output kernel; pass 1 at its
-    defaults). Each is checked against the defaults' result before it is timed; settings that do not
-    compile are recorded with their error.
-    Writes results/kernel_sweep_<gpu>.json after every setting."""
+    sweep_programs and MIN_SEGMENT in sweep_min_segments; pass 1 (kernel._states) for every BK, BV,
+    warps, stages and STATE_PROGRAMS; and the forward not fused for every BK, BV, warps and stages of
+    pass 2 (the output kernel; pass 1 at its defaults). Each is checked against the defaults' result
+    before it is timed; settings that do not compile are recorded with their error. Writes
+    results/kernel_sweep_<gpu>.json after every setting."""
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
                          "set before starting Python, to check the bookkeeping on a CPU)")
@@ -410,7 +410,8 @@ def sweep(cfg):
             runs = {"fused": forward} if 2 * D <= fused_max_f else {}
             runs.update(states=lambda: kernel._states(k, v, None, False)[0], output=forward)  # output: not fused
             for kern, fn in runs.items():
-                kernel._configs, kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT = defaults, default_programs, default_min_segment
+                kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
+                kernel.MIN_SEGMENT = default_min_segment
                 kernel.FUSED_MAX_F = 0 if kern == "output" else fused_max_f
                 ref = fn()
                 BKs = [kernel._tile(2 * D, 128)] if kern == "fused" else tiles  # fused: the state is one tile of F

@@ -54,8 +54,9 @@ class Recorder:
 
 def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
     """The kernel launches of one forward and one backward at these sizes (SQ > 0: with the closed-form
-    scores on D dims), of one forward without a backward, and where the forward is fused (bfloat16, F within
-    kernel.FUSED_MAX_F, no closed form), of the forwards not fused (pass 1 and pass 2, which bench_kernel.py's sweep times too), recorded on meta tensors."""
+    scores on D dims), of one forward without a backward, and where the forward is fused (bfloat16, F
+    within kernel.FUSED_MAX_F, no closed form), of the forwards not fused (pass 1 and pass 2, which
+    bench_kernel.py times too), recorded on meta tensors."""
     log, jitted, fused_max_f = [], {name: getattr(kernel, name) for name in KERNELS}, kernel.FUSED_MAX_F
     try:
         for name, fn in jitted.items():
@@ -145,7 +146,8 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
                                      ok=shared <= SHARED_PER_BLOCK[arch] and stack == 0))
     if verbose:
         print(f"{len(seen)} distinct compilations for {len(rows)} launches ({len(archs)} archs x {len(dtypes)} dtypes x "
-              f"{len(shapes)} shapes, a forward and a backward of 2-5 kernels each, a forward without one, and both unfused where fused, T = {T}); "
+              f"{len(shapes)} shapes, a forward and a backward of 2-5 kernels each, a forward without one, "
+              f"and both unfused where fused, T = {T}); "
               "worst case per kernel, arch and dtype:")
         print(f"{'kernel':<16} {'arch':>5} {'dtype':>9} {'tiles BK x BV':>13} {'warps':>5} {'stages':>6} "
               f"{'shared KB (limit)':>17} {'regs':>5} {'spills':>6} {'fail':>4}   programs at F = Dv = 64, BH = 12, T = 32K")

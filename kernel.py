@@ -372,7 +372,8 @@ if HAS_TRITON:
                          other=0.0)
             z += tl.load(z0_ptr + row + rk, mask=rk < F, other=0.0)
         for j in range(0, L):
-            t0 = bh.to(tl.int64) * T + (s * L + j) * C  # chunk s L + j's first token (past N: loads zeros, stores nothing)
+            # chunk s L + j: its first token's row, its tokens (past N, in the last segment: loads zeros, stores nothing)
+            t0 = bh.to(tl.int64) * T + (s * L + j) * C
             t = (s * L + j) * C + rt
             in_k = (t[:, None] < T) & (rk[None, :] < F)
             in_v = (t[:, None] < T) & (rv[None, :] < DV)

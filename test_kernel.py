@@ -58,7 +58,8 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
 def _spy_on_fused(monkeypatch):
     """The grids of kernel._fused_kernel's launches from now on, in a list (the kernel still runs)."""
     launched, real = [], kernel._fused_kernel
-    monkeypatch.setattr(kernel, "_fused_kernel", type("Spy", (), {"__getitem__": lambda _, grid: launched.append(grid) or real[grid]})())
+    spy = type("Spy", (), {"__getitem__": lambda _, grid: launched.append(grid) or real[grid]})
+    monkeypatch.setattr(kernel, "_fused_kernel", spy())
     return launched
 
 
@@ -163,8 +164,8 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
 
     def spy(N, programs):  # called by kernel._states and the fused forward after they have read their settings
         cfg = kernel._configs(32, 16)
-        seen.append((kernel.STATE_PROGRAMS, cfg["states"]["BK"], cfg["states"]["BV"], cfg["fused"]["BV"], kernel.FUSED_MAX_F,
-                     kernel.MIN_SEGMENT))
+        seen.append((kernel.STATE_PROGRAMS, cfg["states"]["BK"], cfg["states"]["BV"], cfg["fused"]["BV"],
+                     kernel.FUSED_MAX_F, kernel.MIN_SEGMENT))
         return segments(N, programs)
     monkeypatch.setattr(kernel, "_segments", spy)
     defaults = kernel._configs
@@ -215,7 +216,8 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
     assert "launches fit in shared memory and do not spill" in out
     rows = json.load(open(tmp_path / "build_check.json"))
     assert {(r["F"], r["Dv"]) for r in rows} == {(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV}
-    assert {r["kernel"] for r in rows} == {"states", "fused", "output", "dqk", "dv", "dsquares"} and {r["arch"] for r in rows} == {80, 90}
+    assert {r["kernel"] for r in rows} == {"states", "fused", "output", "dqk", "dv", "dsquares"}
+    assert {r["arch"] for r in rows} == {80, 90}
     assert {(r["D"], r["SQ"]) for r in rows if r["SQ"]} == set(kernel.BUILD_SQUARES)
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad[:5]
