@@ -29,7 +29,8 @@ pass 1 alone (the chunk states, pass 2 the remainder; where the forward is fused
 before the fused kernel), the unfused forward beside a fused one, and the forwards of FlashAttention,
 ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
 short sequences at batch 1). The forwards run under torch.no_grad, as inference does. Writes
-results/kernel_<gpu>.json and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
+results/kernel_<gpu>.json (the rows, and per shape and family the crossover length against
+FlashAttention, eager and from CUDA graphs, and the speed-up at the longest length) and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
 fallback (the tests do, at tiny sizes).
 """
 import itertools
@@ -251,8 +252,8 @@ def device_report(cfg):
         rows.append(row)
         with open(out, "w") as f:
             json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "check_max_rel_error": worst,
-                       "check_seconds": check_s, "ours": ours, "fla": fla is not None, "rows": rows, "config": cfg},
-                      f, indent=1)
+                       "check_seconds": check_s, "ours": ours, "fla": fla is not None, "crossovers": crossovers(rows),
+                       "rows": rows, "config": cfg}, f, indent=1)
 
     for B, H, D in sizes(cfg, "shapes", 3):
         shape = f"{B}x{H}x{D}"
@@ -313,6 +314,9 @@ def device_report(cfg):
                     + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else "")
                     + (f"  (ours unfused {row['ours_unfused_fwd_ms']:.3f} ms)" if "ours_unfused_fwd_ms" in row else "")
                     + "".join(f"  {m} graphed {row[m + '_graph_fwd_ms']:.3f}" for m in methods if m + "_graph_fwd_ms" in row), flush=True)
+    for name, entry in crossovers(rows).items():
+        print(f"{name}: crossover at {entry.get('crossover_T')} tokens (CUDA graphs: {entry.get('graph_crossover_T')}), "
+              f"{entry['speedup_at_longest']:.1f}x FlashAttention at {entry['longest_T']}")
     print(f"saved {out}")
     plot_report(rows, out.replace(".json", ".png"))
     return rows
@@ -376,6 +380,27 @@ def _passes(qf, kf, v, ours, repeats, closed_form=False):
             kernel.FUSED_MAX_F = fused_max_f
     else:
         out["ours_pass1_ms"] = _time(lambda: kernel._states(k, v3, None, False), repeats) * 1e3
+    return out
+
+
+def crossovers(rows):
+    """Per shape and family of the report's rows: crossover_T, the shortest length from which our forward
+    is at least as fast as FlashAttention's at every length timed above it (None if none is), the same
+    from the CUDA-graph timings (graph_crossover_T, where they ran), and the speed-up at the longest
+    length. The paper's Fig. 6: a crossover near 2K and about 6x at 32K."""
+    out = {}
+    for shape, family in dict.fromkeys((r["shape"], r["family"]) for r in rows):
+        rs = sorted((r for r in rows if (r["shape"], r["family"]) == (shape, family) and "speedup_vs_flash_fwd" in r),
+                    key=lambda r: r["T"])
+        if not rs:
+            continue
+        entry = {}
+        for name, field in (("crossover_T", "speedup_vs_flash_fwd"), ("graph_crossover_T", "graph_speedup_vs_flash_fwd")):
+            timed = [r for r in rs if field in r]
+            if timed:
+                entry[name] = next((r["T"] for i, r in enumerate(timed) if all(x[field] >= 1 for x in timed[i:])), None)
+        entry.update(longest_T=rs[-1]["T"], speedup_at_longest=rs[-1]["speedup_vs_flash_fwd"])
+        out[f"{shape} {family}"] = entry
     return out
 
 

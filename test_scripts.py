@@ -134,6 +134,22 @@ def test_device_report_bookkeeping(tmp_path):
     assert all(("ours_features_fwd_ms" in x) == (x["family"] in ("taylor", "oal")) for x in done)
     assert rows["1x2x8", "oal", 64]["SQ"] == 6 and rows["1x2x8", "taylor", 64]["SQ"] == 2
     assert r["check_seconds"] > 0
+    assert set(r["crossovers"]) == {f"{x['shape']} {x['family']}" for x in done}
+    assert all(c["longest_T"] in (64, 96) for c in r["crossovers"].values())
+
+
+def test_device_report_crossovers():
+    """The crossover is where ours stays at least as fast as FlashAttention at every longer length timed:
+    a length that wins once and then loses again does not count. Per shape and family, eager and graphed."""
+    import bench_kernel
+    row = lambda T, s, g=None, family="hedgehog": dict(shape="1x12x64", family=family, T=T, speedup_vs_flash_fwd=s,
+                                                     **({} if g is None else {"graph_speedup_vs_flash_fwd": g}))
+    rows = [row(1024, 0.4, 0.9), row(2048, 1.1, 1.5), row(4096, 0.9, 2.0), row(8192, 1.6, 3.0), row(32768, 4.9, 6.1),
+            row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"), dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
+    c = bench_kernel.crossovers(rows)
+    assert c["1x12x64 hedgehog"] == dict(crossover_T=8192, graph_crossover_T=2048, longest_T=32768, speedup_at_longest=4.9)
+    assert c["1x12x64 elu"] == dict(crossover_T=None, longest_T=32768, speedup_at_longest=0.8)  # no graph timings there
+    assert "1x12x64 oal" not in c
 
 
 def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
