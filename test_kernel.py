@@ -93,24 +93,28 @@ def test_kernel_segments_match_float64(programs, min_segment, segments, fused, m
 
 
 @needs_triton
+@pytest.mark.parametrize("Dv", [17, 40])
 @pytest.mark.parametrize("programs,min_segment,segments", [(4, 8, (11, 1)), (8, 8, (8, 2)), (32, 2, (2, 6))])
-def test_kernel_fused_forward_is_the_unfused_one(programs, min_segment, segments, monkeypatch):
+def test_kernel_fused_forward_is_the_unfused_one(programs, min_segment, segments, Dv, monkeypatch):
     """The fused forward (bf16) against pass 1 then pass 2 on the same inputs: the same bf16 dots of the
     same rounded operands, summed in another order in float32, so y (float32 for a backward) agrees to
-    float32 rounding, far below bf16's. In one segment, in segments of 8 and 3, and of 2 x 5 and 1 chunks;
-    T not a multiple of the chunk, F and Dv not multiples of 16 (Taylor's features at D = 8)."""
+    float32 rounding, far below bf16's. In one segment, in segments of 8 and 3, and of 2 x 5 and 1 chunks
+    (at Dv = 17; Dv = 40 takes two value tiles, twice the programs); T not a multiple of the chunk, F and
+    Dv not multiples of 16 (Taylor's features at D = 8)."""
     monkeypatch.setattr(kernel, "MIN_SEGMENT", min_segment)
     monkeypatch.setattr(kernel, "STATE_PROGRAMS", programs)
-    assert kernel._segments(11, 4) == segments  # 11 chunks, 4 programs per segment (B H = 4, Dv in one tile)
+    NV = -(-Dv // kernel._configs(45, Dv)["fused"]["BV"])
+    assert NV == (1 if Dv == 17 else 2)
+    assert Dv == 40 or kernel._segments(11, 4) == segments  # 11 chunks, 4 programs per segment (B H = 4, one tile)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(4, 650, 8, generator=g) for _ in range(2))
     qf, kf = (x.bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q, k))  # F = 45
-    v = torch.randn(4, 650, 17, generator=g).bfloat16()
+    v = torch.randn(4, 650, Dv, generator=g).bfloat16()
     launched = _spy_on_fused(monkeypatch)
     fused = kernel._triton_forward(qf, kf, v, kernel.EPS)
     monkeypatch.setattr(kernel, "FUSED_MAX_F", 0)
     unfused = kernel._triton_forward(qf, kf, v, kernel.EPS)
-    assert len(launched) == 1  # the first forward only
+    assert len(launched) == 1 and launched[0][1] == NV  # the first forward only
     for a, b in zip(fused, unfused):  # y, den
         assert (a - b).norm() / b.norm() < 1e-5
 
