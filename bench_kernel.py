@@ -6,7 +6,6 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
     python bench_kernel.py --lengths=1024,4096 --threads=2
     python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
     python bench_kernel.py --closed_form=true --threads=2   # the polynomial maps' closed form, results/closed_form.json
-    python bench_kernel.py --sweep=true                 # on a GPU: the kernels' launch settings timed
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
 definition in float64, forward and gradients, float32 and bfloat16 inputs, and OAL's closed form
@@ -33,7 +32,6 @@ results/kernel_<gpu>.json (the rows, and per shape and family the crossover leng
 FlashAttention, eager and from CUDA graphs, and the speed-up at the longest length) and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
 fallback (the tests do, at tiny sizes).
 """
-import itertools
 import json
 import os
 import time
@@ -368,9 +366,8 @@ def _passes(qf, kf, v, ours, repeats, closed_form=False):
     k, v3 = (x.reshape(B * H, T, -1) for x in (kf, v))
     out = {}
     fused_max_f = kernel.FUSED_MAX_F
-    if qf.dtype == torch.bfloat16 and F_ <= fused_max_f and not closed_form:
-        NV = -(-v.shape[-1] // kernel._configs(F_, v.shape[-1])["fused"]["BV"])  # value tiles
-        L, NS = kernel._segments(-(-T // kernel.CHUNK), B * H * NV)
+    if kernel._is_fused(F_, qf.dtype, closed_form):
+        L, NS, _ = kernel._fused_segments(B * H, T, F_, v.shape[-1])
         out["ours_pass1_ms"] = _time(lambda: kernel._segment_sums(k, v3, None, L, NS, False), repeats) * 1e3
         try:
             kernel.FUSED_MAX_F = 0
@@ -402,71 +399,6 @@ def crossovers(rows):
         entry.update(longest_T=rs[-1]["T"], speedup_at_longest=rs[-1]["speedup_vs_flash_fwd"])
         out[f"{shape} {family}"] = entry
     return out
-
-
-def sweep(cfg):
-    """The kernels' launch settings timed on this machine's Triton, to choose kernel._configs from
-    measurements: at the shape B x H x D of sweep_shape with Hedgehog's F = 2D, bf16, at each of
-    sweep_lengths: the fused forward (when F <= kernel.FUSED_MAX_F; the segments' sums at their defaults)
-    for every BV in sweep_tiles, num_warps in sweep_warps, num_stages in sweep_stages, STATE_PROGRAMS in
-    sweep_programs and MIN_SEGMENT in sweep_min_segments; pass 1 (kernel._states) for every BK, BV,
-    warps, stages and STATE_PROGRAMS; and the forward not fused for every BK, BV, warps and stages of
-    pass 2 (the output kernel; pass 1 at its defaults). Each is checked against the defaults' result
-    before it is timed; settings that do not compile are recorded with their error. Writes
-    results/kernel_sweep_<gpu>.json after every setting."""
-    if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
-        raise SystemExit("error: --sweep=true times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
-                         "set before starting Python, to check the bookkeeping on a CPU)")
-    dev, gpu, _ = _device()
-    dtype = torch.bfloat16  # the GPU's fast path (the interpreter emulates it)
-    out = _out_path(cfg["sweep_out"], "kernel_sweep", gpu)
-    (B, H, D), = sizes(cfg, "sweep_shape", 3)
-    tiles, warps, stages, programs, min_segments = (integers(cfg, key, 1) for key in (
-        "sweep_tiles", "sweep_warps", "sweep_stages", "sweep_programs", "sweep_min_segments"))
-    defaults, default_programs, fused_max_f = kernel._configs, kernel.STATE_PROGRAMS, kernel.FUSED_MAX_F
-    default_min_segment = kernel.MIN_SEGMENT
-    rows = []
-    try:
-        for T in integers(cfg, "sweep_lengths", 1):
-            g = torch.Generator().manual_seed(0)
-            q, k = (torch.rand(B * H, T, 2 * D, generator=g).to(dev, dtype) for _ in range(2))
-            v = torch.randn(B * H, T, D, generator=g).to(dev, dtype)
-            forward = lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]
-            runs = {"fused": forward} if 2 * D <= fused_max_f else {}
-            runs.update(states=lambda: kernel._states(k, v, None, False)[0], output=forward)  # output: not fused
-            for kern, fn in runs.items():
-                kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
-                kernel.MIN_SEGMENT = default_min_segment
-                kernel.FUSED_MAX_F = 0 if kern == "output" else fused_max_f
-                ref = fn()
-                BKs = [kernel._tile(2 * D, 128)] if kern == "fused" else tiles  # fused: the state is one tile of F
-                counts = [default_programs] if kern == "output" else programs
-                mins = min_segments if kern == "fused" else [default_min_segment]
-                for BK, BV, nw, ns, n_prog, n_min in itertools.product(BKs, tiles, warps, stages, counts, mins):
-                    meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=ns)
-                    kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
-                    kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT = n_prog, n_min
-                    row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, min_segment=n_min, **meta)
-                    try:
-                        row["rel_error"] = ((fn() - ref).norm() / ref.norm()).item()
-                        row["ms"] = _time(fn, cfg["repeats"]) * 1e3
-                    except Exception as e:  # e.g. out of shared memory
-                        row["error"] = _one_line(e)
-                    rows.append(row)
-                    print(f"{kern:<6} T={T:<6} BK={BK:<3} BV={BV:<3} warps={nw} stages={ns} programs={n_prog:<6} "
-                          f"min_segment={n_min:<3} "
-                          + (f"{row['ms']:.3f} ms (rel. error {row['rel_error']:.1e})" if "ms" in row else row["error"]),
-                          flush=True)
-                    with open(out, "w") as f:
-                        json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "rows": rows,
-                                   "defaults": defaults(2 * D, D), "state_programs": default_programs,
-                                   "min_segment": default_min_segment, "config": cfg},
-                                  f, indent=1)
-    finally:
-        kernel._configs, kernel.STATE_PROGRAMS, kernel.FUSED_MAX_F = defaults, default_programs, fused_max_f
-        kernel.MIN_SEGMENT = default_min_segment
-    print(f"saved {out}")
-    return rows
 
 
 def plot_report(rows, path):
@@ -533,15 +465,6 @@ if __name__ == "__main__":
         "report_out": "",  # report: default results/kernel_<gpu>.json
         "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
-        "sweep": False,  # the kernels' tiles, warps and segments timed instead (see sweep)
-        "sweep_shape": "1x12x64",  # sweep: B x H x D, Hedgehog's F = 2D
-        "sweep_lengths": "4096,32768",
-        "sweep_tiles": "32,64",  # sweep: BK and BV
-        "sweep_warps": "4,8",
-        "sweep_stages": "2",  # (2,3 doubles the settings)
-        "sweep_programs": "1024,4096,16384",  # sweep: STATE_PROGRAMS of pass 1 and the fused pass
-        "sweep_min_segments": "8,32",  # sweep: MIN_SEGMENT of the fused pass (longer walks, fewer launches)
-        "sweep_out": "",  # sweep: default results/kernel_sweep_<gpu>.json
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
     choices(cfg, "check", ("all", "timed"))
@@ -554,9 +477,6 @@ if __name__ == "__main__":
         raise SystemExit(0)
     if cfg["closed_form"]:
         closed_form(cfg)
-        raise SystemExit(0)
-    if cfg["sweep"]:
-        sweep(cfg)
         raise SystemExit(0)
     benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
               cfg["repeats"], cfg["quadratic_max"], cfg["out"])

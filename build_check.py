@@ -67,10 +67,11 @@ def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
         if SQ:
             sq = tuple(torch.empty(*shape, device="meta", dtype=torch.float32) for shape in
                        ((1, T, D), (1, T, D), (1, SQ, D), (1, SQ), (1,)))
+        fused = kernel._is_fused(F_, dtype, sq)
         y, den = kernel._triton_forward(q, k, v, kernel.EPS, sq)
         kernel._triton_backward(q, k, v, y, den, torch.empty_like(v), sq)
         kernel._triton_forward(q, k, v, kernel.EPS, sq, out_dtype=dtype)  # without a backward: y in v's dtype
-        if dtype == torch.bfloat16 and F_ <= fused_max_f and not SQ:
+        if fused:
             kernel.FUSED_MAX_F = 0
             kernel._triton_forward(q, k, v, kernel.EPS, sq)
             kernel._triton_forward(q, k, v, kernel.EPS, sq, out_dtype=dtype)

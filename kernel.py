@@ -562,6 +562,17 @@ def _segments(N, programs):
     return L, triton.cdiv(N, L)
 
 
+def _is_fused(F_, dtype, squares):
+    """Whether the forward is the fused pass: bfloat16 inputs, F up to FUSED_MAX_F, no closed form."""
+    return dtype == torch.bfloat16 and F_ <= FUSED_MAX_F and not squares
+
+
+def _fused_segments(BH, T, F_, Dv):
+    """The fused pass's segments and grid: (L chunks per segment, NS segments, NV value tiles)."""
+    NV = triton.cdiv(Dv, _configs(F_, Dv)["fused"]["BV"])
+    return (*_segments(triton.cdiv(T, CHUNK), BH * NV), NV)
+
+
 def _segment_sums(k, v, w, L, NS, reverse):
     """Pass 1 with WALK=False, then a running sum over segments: S0 (BH, NS, F, Dv) and z0 (BH, NS, F),
     float32, row p the sum of k^T v and k^T w (w: (BH, T), or None for ones) over the segments walked up
@@ -613,18 +624,16 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
     y = torch.empty(BH, T, Dv, device=q.device, dtype=out_dtype)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     sq_args, sq_meta = _squares_args(sq, q)
-    bf16 = q.dtype == torch.bfloat16
-    if bf16 and F_ <= FUSED_MAX_F and sq is None:
-        cfg = _configs(F_, Dv)["fused"]
-        NV = triton.cdiv(Dv, cfg["BV"])
-        L, NS = _segments(N, BH * NV)
+    if _is_fused(F_, q.dtype, sq):
+        L, NS, NV = _fused_segments(BH, T, F_, Dv)
         S0, z0 = _segment_sums(k, v, None, L, NS, reverse=False)
+        cfg = _configs(F_, Dv)["fused"]
         _fused_kernel[(BH * NS, NV)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, **cfg)
         return y, den
     S, z = _states(k, v, None, reverse=False)
     cfg = _configs(F_, Dv)["output"]
     _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
-                                                        BF16=bf16, **sq_meta, **cfg)
+                                                        BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
     return y, den
 
 

@@ -1,7 +1,7 @@
 """
 The tests of kernel.py and build_check.py: the chunked fallback and the Triton kernels against float64
 at odd sizes and in every dtype, forward and gradients; pass 1's segments and the fused forward; the
-polynomial maps' closed form in the tiles; the bf16 dots; bench_kernel's sweep and passes; the build
+polynomial maps' closed form in the tiles; the bf16 dots; sweep_kernel.py; bench_kernel's passes; the build
 check for sm_80 and sm_90; what backend="auto" trusts. The Triton kernels run in Triton's CPU
 interpreter here (test_all.py sets TRITON_INTERPRET before triton is imported; it is imported first
 below) and on the GPU on a CUDA machine.
@@ -160,10 +160,10 @@ def test_kernel_states_are_stored_as_the_dots_use_them(dtype, monkeypatch):
 
 @needs_triton
 def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
-    """bench_kernel.py --sweep=true at tiny sizes in the interpreter: one row per setting, each run with
+    """sweep_kernel.py at tiny sizes in the interpreter: one row per setting, each run with
     the settings it records (seen from inside kernel._segments) and checked against the defaults' result; the
     defaults are back afterwards."""
-    import bench_kernel
+    import sweep_kernel
     seen, segments = [], kernel._segments
 
     def spy(N, programs):  # called by kernel._states and the fused forward after they have read their settings
@@ -173,9 +173,9 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
         return segments(N, programs)
     monkeypatch.setattr(kernel, "_segments", spy)
     defaults = kernel._configs
-    cfg = dict(sweep_shape="1x2x16", sweep_lengths="650", sweep_tiles="32,64", sweep_warps="4", sweep_stages="2",
-               sweep_programs="8,4096", sweep_min_segments="2,8", repeats=1, sweep_out=str(tmp_path / "s.json"))
-    rows = bench_kernel.sweep(cfg)
+    cfg = dict(shape="1x2x16", lengths="650", tiles="32,64", warps="4", stages="2", programs="8,4096",
+               min_segments="2,8", repeats=1, out=str(tmp_path / "s.json"))
+    rows = sweep_kernel.sweep(cfg)
     assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096 and kernel.MIN_SEGMENT == 8
     states = [r for r in rows if r["kernel"] == "states"]
     fused = [r for r in rows if r["kernel"] == "fused"]
