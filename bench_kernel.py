@@ -29,8 +29,9 @@ before the fused kernel), the unfused forward beside a fused one, and the forwar
 ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
 short sequences at batch 1). The forwards run under torch.no_grad, as inference does. Writes
 results/kernel_<gpu>.json (the rows, and per shape and family the crossover length against
-FlashAttention, eager and from CUDA graphs, and the speed-up at the longest length) and .png. On a CPU it runs the same bookkeeping with SDPA and the PyTorch
-fallback (the tests do, at tiny sizes).
+FlashAttention, eager and from CUDA graphs, and the speed-up at the longest length) and .png. On a CPU
+it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at tiny sizes). The
+kernels' launch settings are timed by sweep_kernel.py.
 """
 import json
 import os
