@@ -101,6 +101,15 @@ def check(dev, shapes, squares=(), T=300):
     return worst
 
 
+def flash(q, k, v):
+    """Causal softmax attention by SDPA: restricted to FlashAttention on CUDA, SDPA's choice on a CPU."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _time(fn, repeats):
     """Best of `repeats` wall-clock seconds after one warm-up call (of one call, when that took over 1 s)."""
     times = []
@@ -136,6 +145,24 @@ def _out_path(given, stem, gpu):
     return out
 
 
+def _time_methods(row, methods, repeats):
+    """Each method's forward (under no_grad) and forward+backward, into row as name_fwd_ms, name_fwd_bwd_ms.
+    methods: name -> (fn, args). One that raises (a peer's kernel may refuse a size: fla at F = 2145) is
+    recorded as name_error, said, and dropped from methods."""
+    for name, (fn, args) in list(methods.items()):
+        ins = [x.detach().requires_grad_() for x in args]
+        try:
+            with torch.no_grad():
+                fwd = _time(lambda: fn(*ins), repeats)
+            both = _time(lambda: fn(*ins).sum().backward(), repeats)
+        except Exception as e:
+            row[f"{name}_error"] = _one_line(e)
+            print(f"{row['shape']} {row['family']:<8} T={row['T']:<6} {name}: {row[f'{name}_error']}")
+            del methods[name]
+            continue
+        row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
+
+
 def _graph_time(fn, args, repeats):
     """Best of `repeats` replays of fn(*args), forward only, captured in a CUDA graph: the GPU's time
     without the CPU's kernel launches (what torch.compile(mode="reduce-overhead") gives a model). fn has
@@ -162,14 +189,7 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     else:
         check(dev, [(features, dim)], [(8, 6, dim)])
 
-    def sdpa(q, k, v):
-        if dev != "cuda":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    methods = {"softmax (sdpa)": sdpa, "linear, quadratic form": reference,
+    methods = {"softmax (sdpa)": flash, "linear, quadratic form": reference,
                "linear, torch chunked": lambda q, k, v: causal_linear_attention(q, k, v, backend="torch")}
     if dev == "cuda" and HAS_TRITON:
         methods["linear, triton"] = lambda q, k, v: causal_linear_attention(q, k, v, backend="triton")
@@ -238,13 +258,6 @@ def device_report(cfg):
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
     ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
 
-    def flash(q, k, v):
-        if dev != "cuda":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     rows = []
 
     def save(row):  # after every row, so that a run stopped by a time limit keeps what it measured
@@ -276,18 +289,7 @@ def device_report(cfg):
                 if fla is not None:  # fla wants (B, T, H, K)
                     methods["fla"] = (lambda a, b, c: fla(a, b, c, scale=1.0, normalize=True)[0],
                                       tuple(x.transpose(1, 2).contiguous() for x in (qf, kf, v)))
-                for name, (fn, args) in list(methods.items()):
-                    ins = [x.detach().requires_grad_() for x in args]
-                    try:
-                        with torch.no_grad():
-                            fwd = _time(lambda: fn(*ins), cfg["repeats"])
-                        both = _time(lambda: fn(*ins).sum().backward(), cfg["repeats"])
-                    except Exception as e:  # a peer's kernel may refuse a size (fla at F = 2145); say so, go on
-                        row[f"{name}_error"] = _one_line(e)
-                        print(f"{shape} {family:<8} T={T:<6} {name}: {row[f'{name}_error']}")
-                        del methods[name]
-                        continue
-                    row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
+                _time_methods(row, methods, cfg["repeats"])
                 if "ours_fwd_ms" not in row or "flash_fwd_ms" not in row:
                     save(row)
                     continue
