@@ -32,7 +32,7 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles; y in float32
                            when a backward will need it, else in v's dtype at once.
-  fused   _fused_kernel    grid (B*H*NS, Dv/BV), the forward for bfloat16 inputs with F <= FUSED_MAX_F
+  fused   _fused_kernel    grid (B*H*NS * Dv/BV,), the forward for bfloat16 inputs with F <= FUSED_MAX_F
                            and no closed form (one tile of state, Hedgehog's 2D at D <= 64; float32
                            dots or the closed form's terms do not fit the registers): pass 1's segment
                            sums and their running sum, then each segment walked once with pass 2's
@@ -354,11 +354,15 @@ if HAS_TRITON:
     def _fused_kernel(q_ptr, k_ptr, v_ptr, S0_ptr, z0_ptr, y_ptr, den_ptr, T, F, DV, N, L, eps,
                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         # The forward in one pass for bf16 inputs with F within one tile (BK >= F): pass 1's walk and pass 2
-        # together, the state kept in registers instead of stored. Program (bh * NS + s, i_v): segment s's L chunks,
-        # value columns [i_v BV, +BV). It starts from S0[bh, s - 1], z0[bh, s - 1] (the running sums of
+        # together, the state kept in registers instead of stored. Program (bh NS + s) NV + i_v: segment s's L
+        # chunks, value columns [i_v BV, +BV). It starts from S0[bh, s - 1], z0[bh, s - 1] (the running sums of
         # pass 1 with WALK = False over the segments before; zero at s = 0), and at each chunk n
         #     A = tril(q k^T),  y = (A v + q S) / (A 1 + q z + eps),  then  S += k^T v,  z += k^T 1
-        i_s, i_v = tl.program_id(0), tl.program_id(1)
+        # One grid axis, a segment's value tiles side by side on it (after flash-linear-attention's grids, tiles
+        # first): they start together and read the same chunks of q and k, which the first to load them leaves
+        # in L2 for the others.
+        pid, NV = tl.program_id(0), tl.cdiv(DV, BV)
+        i_s, i_v = pid // NV, pid % NV
         NS = tl.cdiv(N, L)
         bh, s = i_s // NS, i_s % NS
         rk = tl.arange(0, BK)
@@ -628,7 +632,7 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
         L, NS, NV = _fused_segments(BH, T, F_, Dv)
         S0, z0 = _segment_sums(k, v, None, L, NS, reverse=False)
         cfg = _configs(F_, Dv)["fused"]
-        _fused_kernel[(BH * NS, NV)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, **cfg)
+        _fused_kernel[(BH * NS * NV,)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, **cfg)
         return y, den
     S, z = _states(k, v, None, reverse=False)
     cfg = _configs(F_, Dv)["output"]
