@@ -21,13 +21,13 @@ masked quadratic form tril(q k^T) v; across chunks, a running state S = sum_j k_
 z = sum_j k_j, kept in float32. Memory is linear in T. The denominator is never a padded value column.
 
 The Triton design (after flash-linear-attention's chunk kernels): two passes, so that chunks run in parallel.
-  pass 1  _states_kernel   grid (B*H*NS, F/BK, Dv/BV): the chunks split into NS segments of L chunks
-                           (after flash-linear-attention's chunk_h_split); every segment's sum of k_n^T v_n
-                           (and k_n^T 1) at once, their running sum over segments (an in-place
-                           cumsum, small), then every segment walked from the sum of the segments
-                           before it, storing the state before each
-                           chunk, S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory. NS is chosen for
-                           about STATE_PROGRAMS programs a launch, with segments of at least MIN_SEGMENT
+  pass 1  _states_kernel   grid (B*H*NS * F/BK * Dv/BV,), a segment's tiles side by side: the chunks split
+                           into NS segments of L chunks (after flash-linear-attention's chunk_h_split);
+                           every segment's sum of k_n^T v_n (and k_n^T 1) at once, their running sum over
+                           segments (an in-place cumsum, small), then every segment walked from the sum of
+                           the segments before it, storing the state before each chunk,
+                           S[n] = sum_{m<n} k_m^T v_m (and z[n]), in memory. NS is chosen for about
+                           STATE_PROGRAMS programs a launch, with segments of at least MIN_SEGMENT
                            chunks, so a short sequence is one walk.
   pass 2  _output_kernel   grid (Dv/BV, T/C, B*H): every chunk at once, y = (tril(q k^T) v + q S[n]) /
                            (tril(q k^T) 1 + q z[n] + eps), looping over F in BK tiles; y in float32
@@ -74,8 +74,8 @@ the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
 the build check. The kernels ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32 inputs, checked
 against float64 at the sizes timed there; docs/results.md) with pass 1 segmented as now, except that its
-segment offsets were then a torch.cat of zeros and a cumsum, and its states stored in float32; the
-fused forward has not run on a GPU yet.
+segment offsets were then a torch.cat of zeros and a cumsum, its states stored in float32 and its grid
+ordered segments first; the fused forward has not run on a GPU yet.
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import functools
@@ -259,8 +259,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["T", "N", "L", "REVERSE"])  # one compiled kernel for every length
     def _states_kernel(k_ptr, v_ptr, w_ptr, S0_ptr, z0_ptr, S_ptr, z_ptr, T, F, DV, N, L, REVERSE,
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr, WALK: tl.constexpr):
-        # Pass 1. Program (bh * NS + s, i_k, i_v): the (BK, BV) tile of  sum k_n^T v_n  over the L chunks of
-        # segment s, n in [s L, s L + L), and in the i_v = 0 programs that of  sum k_n^T w_n  (w: one weight
+        # Pass 1. Program ((bh NS + s) NK + i_k) NV + i_v: the (BK, BV) tile of  sum k_n^T v_n  over the L chunks
+        # of segment s, n in [s L, s L + L), and in the i_v = 0 programs that of  sum k_n^T w_n  (w: one weight
         # per token). Segments are numbered in walk order, p = s (NS - 1 - s if REVERSE).
         # WALK = False: store the segment's sum at S0[bh, p], z0[bh, p].
         # WALK = True: S0, z0 hold their inclusive prefix sums over p; start from S0[bh, p - 1], z0[bh, p - 1]
@@ -268,7 +268,11 @@ if HAS_TRITON:
         # order (backwards if REVERSE), storing the running sum before each chunk at S[bh, n], z[bh, n].
         # Every segment at once: a program walks L chunks, the whole sequence only when NS = 1 (when B H and
         # the tiles alone give STATE_PROGRAMS programs).
-        i_s, i_k, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # axis 0: up to 2^31 - 1 programs
+        # One grid axis (up to 2^31 - 1 programs), a segment's tiles side by side on it (after
+        # flash-linear-attention's grids, tiles first): they start together and read the same chunks of k (every
+        # i_v) and v (every i_k), which the first to load them leaves in L2 for the others.
+        pid, NK, NV = tl.program_id(0), tl.cdiv(F, BK), tl.cdiv(DV, BV)
+        i_s, i_k, i_v = (pid // (NK * NV)).to(tl.int64), pid // NV % NK, pid % NV
         NS = tl.cdiv(N, L)
         bh, s = i_s // NS, i_s % NS
         p = bh * NS + s + REVERSE * (NS - 1 - 2 * s)  # the segment's row of S0, z0
@@ -358,9 +362,7 @@ if HAS_TRITON:
         # chunks, value columns [i_v BV, +BV). It starts from S0[bh, s - 1], z0[bh, s - 1] (the running sums of
         # pass 1 with WALK = False over the segments before; zero at s = 0), and at each chunk n
         #     A = tril(q k^T),  y = (A v + q S) / (A 1 + q z + eps),  then  S += k^T v,  z += k^T 1
-        # One grid axis, a segment's value tiles side by side on it (after flash-linear-attention's grids, tiles
-        # first): they start together and read the same chunks of q and k, which the first to load them leaves
-        # in L2 for the others.
+        # One grid axis, a segment's value tiles side by side on it, as in pass 1: they read the same q and k.
         pid, NV = tl.program_id(0), tl.cdiv(DV, BV)
         i_s, i_v = pid // NV, pid % NV
         NS = tl.cdiv(N, L)
@@ -537,8 +539,9 @@ def _configs(F, Dv, squares=False):
     """Tile sizes, warps and pipeline stages of each kernel for features F and values Dv (squares: with the
     closed-form scores). Chosen so that every launch fits sm_80's and sm_90's shared memory and spills no
     registers (`python build_check.py` compiles them all and prints the cost of each). Read only."""
-    # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16)
-    return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=2),
+    # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16); and
+    # 1 stage there: with 2 the backward's segment sums spill 4 bytes at F = Dv = 8 (bf16, sm_80)
+    return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=1 if Dv <= 16 else 2),
             # fused (bf16 only): BV = 64, or pipelined loads at F not a multiple of 16, spill on sm_80 (triton 3.6)
             "fused": dict(BK=_tile(F, 128), BV=_tile(Dv, 32), num_warps=8, num_stages=2 if F % 16 == 0 else 1),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
@@ -590,8 +593,9 @@ def _segment_sums(k, v, w, L, NS, reverse):
         cfg = _configs(F_, Dv)["states"]
         w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
         tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
-        _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse), C=CHUNK,
-                                          BF16=k.dtype == torch.bfloat16, WALK=False, **cfg)  # (S, z unused)
+        _states_kernel[(BH * NS * tiles[0] * tiles[1],)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse),
+                                                         C=CHUNK, BF16=k.dtype == torch.bfloat16, WALK=False,
+                                                         **cfg)  # (S, z unused)
         sums.cumsum_(1)
     return S0, z0
 
@@ -612,8 +616,8 @@ def _states(k, v, w, reverse):
     bf16 = k.dtype == torch.bfloat16  # S meets only bf16 dots then: stored rounded, half the bytes, same results
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
-    _states_kernel[(BH * NS, *tiles)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), C=CHUNK, BF16=bf16,
-                                      WALK=True, **cfg)
+    _states_kernel[(BH * NS * tiles[0] * tiles[1],)](k, v, w, S0, z0, S, z, T, F_, Dv, N, L, int(reverse), C=CHUNK,
+                                                     BF16=bf16, WALK=True, **cfg)
     return S, z
 
 
