@@ -1,7 +1,8 @@
 """
 The Triton kernels' launch settings timed on this machine, to choose kernel._configs, STATE_PROGRAMS and
 MIN_SEGMENT from measurements rather than from the build check alone (which says what fits, not what is
-fast): the fused forward, pass 1 and pass 2, each over its tiles, warps, stages and segment counts.
+fast): the fused forward and its segments' sums, pass 1 and pass 2, each over its tiles, warps, stages and
+segment counts.
 
     python sweep_kernel.py                      # on a GPU: Hedgehog at 1 x 12 x 64, 4K and 32K tokens
     python sweep_kernel.py --stages=2,3         # also 3 pipeline stages (twice the settings)
@@ -21,13 +22,22 @@ from configurator import at_least, configure, integers, sizes
 from kernel import HAS_TRITON, INTERPRET
 
 
+def _fused_sums(k, v, BH, T):
+    """The fused forward's first launch alone: its segments' sums S0 (pass 1's kernel and settings)."""
+    L, NS, _ = kernel._fused_segments(BH, T, k.shape[-1], v.shape[-1])
+    if NS == 1:
+        raise ValueError("one segment: the fused forward takes no sums")
+    return kernel._segment_sums(k, v, None, L, NS, False)[0]
+
+
 def sweep(cfg):
     """At the shape B x H x D of `shape` with Hedgehog's F = 2D, bf16, at each of `lengths`: the fused
     forward (when kernel._is_fused; the segments' sums at their defaults) for every BV in `tiles`,
     num_warps in `warps`, num_stages in `stages`, STATE_PROGRAMS in `programs` and MIN_SEGMENT in
-    `min_segments`; pass 1 (kernel._states) for every BK, BV, warps, stages and STATE_PROGRAMS; and the
-    forward not fused for every BK, BV, warps and stages of pass 2 (the output kernel; pass 1 at its
-    defaults). Each is checked against the defaults' result before it is timed; settings that do not
+    `min_segments`; the fused forward's first launch alone, its segments' sums (pass 1's kernel and
+    settings, "states", over the segments the fused pass asks for), and pass 1 (kernel._states), each for
+    every BK, BV, warps, stages and STATE_PROGRAMS; and the forward not fused for every BK, BV, warps and
+    stages of pass 2 (the output kernel; pass 1 at its defaults). Each is checked against the defaults' result before it is timed; settings that do not
     compile are recorded with their error. Writes `out` after every setting; returns the rows."""
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: sweep_kernel.py times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
@@ -47,9 +57,14 @@ def sweep(cfg):
             q, k = (torch.rand(B * H, T, 2 * D, generator=g).to(dev, dtype) for _ in range(2))
             v = torch.randn(B * H, T, D, generator=g).to(dev, dtype)
             forward = lambda: kernel._triton_forward(q, k, v, kernel.EPS)[0]
-            runs = {"fused": forward} if kernel._is_fused(2 * D, dtype, False) else {}
+            runs = {}
+            if kernel._is_fused(2 * D, dtype, False):
+                runs["fused"] = forward
+                if kernel._fused_segments(B * H, T, 2 * D, D)[1] > 1:  # (one segment takes no sums)
+                    runs["sums"] = lambda: _fused_sums(k, v, B * H, T)
             runs.update(states=lambda: kernel._states(k, v, None, False)[0], output=forward)  # output: not fused
             for kern, fn in runs.items():
+                key = "states" if kern == "sums" else kern  # the launch settings it takes
                 kernel._configs, kernel.STATE_PROGRAMS = defaults, default_programs
                 kernel.MIN_SEGMENT = default_min_segment
                 kernel.FUSED_MAX_F = 0 if kern == "output" else fused_max_f
@@ -59,7 +74,7 @@ def sweep(cfg):
                 mins = min_segments if kern == "fused" else [default_min_segment]
                 for BK, BV, nw, ns, n_prog, n_min in itertools.product(BKs, tiles, warps, stages, counts, mins):
                     meta = dict(BK=BK, BV=BV, num_warps=nw, num_stages=ns)
-                    kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), kern: meta}
+                    kernel._configs = lambda F_, Dv, squares=False: {**defaults(F_, Dv, squares), key: meta}
                     kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT = n_prog, n_min
                     row = dict(kernel=kern, B=B, H=H, D=D, F=2 * D, T=T, programs=n_prog, min_segment=n_min, **meta)
                     try:

@@ -161,8 +161,9 @@ def test_kernel_states_are_stored_as_the_dots_use_them(dtype, monkeypatch):
 @needs_triton
 def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
     """sweep_kernel.py at tiny sizes in the interpreter: one row per setting, each run with
-    the settings it records (seen from inside kernel._segments) and checked against the defaults' result; the
-    defaults are back afterwards."""
+    the settings it records (seen from inside kernel._segments, and for the fused forward's segment sums
+    alone from inside the sweep's call of them) and checked against the defaults' result; the defaults are
+    back afterwards."""
     import sweep_kernel
     seen, segments = [], kernel._segments
 
@@ -172,15 +173,23 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
                      kernel.FUSED_MAX_F, kernel.MIN_SEGMENT))
         return segments(N, programs)
     monkeypatch.setattr(kernel, "_segments", spy)
+    seen_sums, fused_sums = [], sweep_kernel._fused_sums
+
+    def spy_sums(*args):  # the sweep's rows of the fused forward's segment sums
+        cfg = kernel._configs(32, 16)["states"]
+        seen_sums.append((kernel.STATE_PROGRAMS, cfg["BK"], cfg["BV"]))
+        return fused_sums(*args)
+    monkeypatch.setattr(sweep_kernel, "_fused_sums", spy_sums)
     defaults = kernel._configs
     cfg = dict(shape="1x2x16", lengths="650", tiles="32,64", warps="4", stages="2", programs="8,4096",
                min_segments="2,8", repeats=1, out=str(tmp_path / "s.json"))
     rows = sweep_kernel.sweep(cfg)
     assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096 and kernel.MIN_SEGMENT == 8
-    states = [r for r in rows if r["kernel"] == "states"]
+    states, sums = ([r for r in rows if r["kernel"] == name] for name in ("states", "sums"))
     fused = [r for r in rows if r["kernel"] == "fused"]
-    assert len(states) == 8 and len(fused) == 8 and len([r for r in rows if r["kernel"] == "output"]) == 4
+    assert len(states) == len(sums) == len(fused) == 8 and len([r for r in rows if r["kernel"] == "output"]) == 4
     assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= {x[:3] for x in seen} and len(set(seen)) >= 8
+    assert {(r["programs"], r["BK"], r["BV"]) for r in sums} == set(seen_sums)  # the segments' sums alone
     assert {(r["programs"], r["BV"], r["min_segment"]) for r in fused} <= {(x[0], x[3], x[5]) for x in seen}
     assert {x[4] for x in seen} == {0, 128} and kernel.FUSED_MAX_F == 128  # the output kernel's rows ran unfused
     # against the defaults: forwards to float32 rounding; pass 1's states are stored in bf16 (the sweep's
