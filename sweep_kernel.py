@@ -113,6 +113,7 @@ if __name__ == "__main__":
     })
     for key in ("lengths", "tiles", "warps", "stages", "programs", "min_segments"):
         integers(cfg, key, 1)  # every list checked before any work
-    sizes(cfg, "shape", 3)
+    if len(sizes(cfg, "shape", 3)) != 1:
+        raise SystemExit(f"error: --shape={cfg['shape']!r}: one size B x H x D, e.g. 1x12x64")
     at_least(cfg, 1, "repeats")
     sweep(cfg)
