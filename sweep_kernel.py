@@ -37,8 +37,9 @@ def sweep(cfg):
     `min_segments`; the fused forward's first launch alone, its segments' sums (pass 1's kernel and
     settings, "states", over the segments the fused pass asks for), and pass 1 (kernel._states), each for
     every BK, BV, warps, stages and STATE_PROGRAMS; and the forward not fused for every BK, BV, warps and
-    stages of pass 2 (the output kernel; pass 1 at its defaults). Each is checked against the defaults' result before it is timed; settings that do not
-    compile are recorded with their error. Writes `out` after every setting; returns the rows."""
+    stages of pass 2 (the output kernel; pass 1 at its defaults). Each is checked against the defaults'
+    result before it is timed; settings that do not compile, or that leave the sums one segment (nothing
+    to time), are recorded with their error. Writes `out` after every setting; returns the rows."""
     if not HAS_TRITON or not (torch.cuda.is_available() or INTERPRET):
         raise SystemExit("error: sweep_kernel.py times the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, "
                          "set before starting Python, to check the bookkeeping on a CPU)")
