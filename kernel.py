@@ -529,6 +529,12 @@ MIN_SEGMENT = 8  # chunks: pass 1 is one launch, a walk of the whole sequence, u
 FUSED_MAX_F = 128  # features up to which a bf16 forward is the fused pass (the state one tile); 0: pass 1, pass 2
 
 
+def _cdiv(n, d):
+    """ceil(n / d) for the launches' Python ints, at every call: triton.cdiv, a Triton constexpr function,
+    costs far more to call from Python than this arithmetic."""
+    return -(-n // d)
+
+
 def _tile(n, cap):
     """A power-of-2 tile for a dimension of size n: at least 16 (tl.dot's minimum), at most cap."""
     return min(cap, max(16, triton.next_power_of_2(n)))
@@ -565,8 +571,8 @@ def _segments(N, programs):
     """Pass 1's segments of N chunks when one segment takes `programs` programs (B H x the tiles):
     (L chunks per segment, NS segments), NS as near STATE_PROGRAMS / programs as N allows, and no
     segment shorter than MIN_SEGMENT chunks (shorter ones would sum and write the states twice over)."""
-    L = max(MIN_SEGMENT, triton.cdiv(N, max(1, STATE_PROGRAMS // programs)))
-    return L, triton.cdiv(N, L)
+    L = max(MIN_SEGMENT, _cdiv(N, max(1, STATE_PROGRAMS // programs)))
+    return L, _cdiv(N, L)
 
 
 def _is_fused(F_, dtype, squares):
@@ -576,8 +582,8 @@ def _is_fused(F_, dtype, squares):
 
 def _fused_segments(BH, T, F_, Dv):
     """The fused pass's segments and grid: (L chunks per segment, NS segments, NV value tiles)."""
-    NV = triton.cdiv(Dv, _configs(F_, Dv)["fused"]["BV"])
-    return (*_segments(triton.cdiv(T, CHUNK), BH * NV), NV)
+    NV = _cdiv(Dv, _configs(F_, Dv)["fused"]["BV"])
+    return (*_segments(_cdiv(T, CHUNK), BH * NV), NV)
 
 
 def _segment_sums(k, v, w, L, NS, reverse):
@@ -586,13 +592,13 @@ def _segment_sums(k, v, w, L, NS, reverse):
     to and including the p-th (in walk order). They share one buffer, rows of F Dv + F, so that one
     cumsum takes both. With NS = 1 nothing reads them: left unset, no launch."""
     BH, T, F_ = k.shape
-    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
     sums = torch.empty(BH, NS, F_ * Dv + F_, device=k.device, dtype=torch.float32)
     S0, z0 = sums[..., :F_ * Dv].unflatten(-1, (F_, Dv)), sums[..., F_ * Dv:]
     if NS > 1:
         cfg = _configs(F_, Dv)["states"]
         w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
-        tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
+        tiles = (_cdiv(F_, cfg["BK"]), _cdiv(Dv, cfg["BV"]))
         _states_kernel[(BH * NS * tiles[0] * tiles[1],)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse),
                                                          C=CHUNK, BF16=k.dtype == torch.bfloat16, WALK=False,
                                                          **cfg)  # (S, z unused)
@@ -607,9 +613,9 @@ def _states(k, v, w, reverse):
     then each segment walked from the sum before it (WALK=True), writing the state before each chunk once.
     NS gives about STATE_PROGRAMS programs per launch."""
     BH, T, F_ = k.shape
-    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
     cfg = _configs(F_, Dv)["states"]
-    tiles = (triton.cdiv(F_, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]))
+    tiles = (_cdiv(F_, cfg["BK"]), _cdiv(Dv, cfg["BV"]))
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
     w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
     S0, z0 = _segment_sums(k, v, w, L, NS, reverse)
@@ -628,7 +634,7 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
     base (H,)), or None. bfloat16 with F up to FUSED_MAX_F and no closed form: the fused pass (each
     segment's sum, then _fused_kernel); else pass 1 then pass 2."""
     BH, T, F_ = q.shape
-    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
     y = torch.empty(BH, T, Dv, device=q.device, dtype=out_dtype)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     sq_args, sq_meta = _squares_args(sq, q)
@@ -640,7 +646,7 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
         return y, den
     S, z = _states(k, v, None, reverse=False)
     cfg = _configs(F_, Dv)["output"]
-    _output_kernel[(triton.cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
+    _output_kernel[(_cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
                                                         BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
     return y, den
 
@@ -649,7 +655,7 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     """Gradients of the forward above for the output gradient dy (BH, T, Dv): dq, dk, dv, and with sq, the
     closed form's (dqs, dks, dlam, dc, dbase) (else None). States are recomputed."""
     BH, T, F_ = q.shape
-    Dv, N = v.shape[-1], triton.cdiv(T, CHUNK)
+    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
     dnum = dy.float() / den[..., None]  # dL/dnum, (BH, T, Dv)
     dden = -(dnum * y).sum(-1)  # dL/dden = -(dy . y) / den, (BH, T)
     S, z = _states(k, v, None, reverse=False)
@@ -657,9 +663,9 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg, bf16 = _configs(F_, Dv, squares=sq is not None), q.dtype == torch.bfloat16
     sq_args, sq_meta = _squares_args(sq, q)
-    _dqk_kernel[(triton.cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk, T, F_, Dv, N, C=CHUNK,
+    _dqk_kernel[(_cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk, T, F_, Dv, N, C=CHUNK,
                                                              BF16=bf16, SQ=sq_meta["SQ"], **cfg["dqk"])
-    _dv_kernel[(triton.cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, *sq_args, C=CHUNK,
+    _dv_kernel[(_cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, *sq_args, C=CHUNK,
                                                           BF16=bf16, **sq_meta, **cfg["dv"])
     if sq is None:
         return dq, dk, dv, None

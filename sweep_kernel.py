@@ -108,7 +108,7 @@ if __name__ == "__main__":
         "warps": "4,8",
         "stages": "2",
         "programs": "1024,4096,16384",  # STATE_PROGRAMS of pass 1 and the fused pass
-        "min_segments": "8,32",  # MIN_SEGMENT of the fused pass (longer walks, fewer launches)
+        "min_segments": "8,32,64",  # MIN_SEGMENT of the fused pass (longer walks, fewer launches; 64: 4K is one launch)
         "repeats": 5,
         "out": "",  # default results/kernel_sweep_<gpu>.json
     })
