@@ -370,8 +370,8 @@ def _passes(qf, kf, v, ours, repeats, closed_form=False):
     out = {}
     fused_max_f = kernel.FUSED_MAX_F
     if kernel._is_fused(F_, qf.dtype, closed_form):
-        L, NS, _ = kernel._fused_segments(B * H, T, F_, v.shape[-1])
-        out["ours_pass1_ms"] = _time(lambda: kernel._segment_sums(k, v3, None, L, NS, False), repeats) * 1e3
+        C, L, NS, _ = kernel._fused_segments(B * H, T, F_, v.shape[-1])
+        out["ours_pass1_ms"] = _time(lambda: kernel._segment_sums(k, v3, None, L, NS, False, C), repeats) * 1e3
         try:
             kernel.FUSED_MAX_F = 0
             with torch.no_grad():  # as the forward above was timed

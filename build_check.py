@@ -109,7 +109,8 @@ def compile_launch(fn, args, meta, arch):
 
 def programs(kern, F_, Dv, BH, T):
     """Programs in one launch of kernel `kern` (the parallelism a GPU gets)."""
-    cfg, N = kernel._configs(F_, Dv)[kern], triton.cdiv(T, kernel.CHUNK)
+    cfg = kernel._configs(F_, Dv)[kern]
+    N = triton.cdiv(T, cfg.get("C", kernel.CHUNK))  # the fused pass's chunk is a setting
     if kern == "dsquares":
         return N * BH
     if kern in ("states", "fused"):

@@ -39,7 +39,8 @@ The Triton design (after flash-linear-attention's chunk kernels): two passes, so
                            output computed at every chunk from the state in registers, so the states
                            never go to memory, and a sequence of one segment is one launch (after
                            flash-linear-attention's fused_chunk, which walks a whole sequence in one
-                           program).
+                           program). Its chunk is a launch setting of its own (C, 64 as the others'; at 32
+                           one value tile of 64 fits the registers, for the sweep to time).
   backward                 pass 1 again for S (recomputed, not stored) and backwards for R[n] = sum_{m>n}
                            q_m^T dnum_m; then _dqk_kernel (grid F/BK, T/C, B*H) and _dv_kernel (Dv/BV, T/C,
                            B*H), parallel over chunks, with the algebra of _ChunkedLinearAttention below.
@@ -548,8 +549,9 @@ def _configs(F, Dv, squares=False):
     # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16); and
     # 1 stage there: with 2 the backward's segment sums spill 4 bytes at F = Dv = 8 (bf16, sm_80)
     return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=1 if Dv <= 16 else 2),
-            # fused (bf16 only): BV = 64, or pipelined loads at F not a multiple of 16, spill on sm_80 (triton 3.6)
-            "fused": dict(BK=_tile(F, 128), BV=_tile(Dv, 32), num_warps=8, num_stages=2 if F % 16 == 0 else 1),
+            # fused (bf16 only): C, its chunk (and its segment sums'); BV = 64, or pipelined loads at F not a multiple
+            # of 16, spill on sm_80 (triton 3.6) at C = 64, not at C = 32 (one value tile at Dv = 64, for the sweep)
+            "fused": dict(C=CHUNK, BK=_tile(F, 128), BV=_tile(Dv, 32), num_warps=8, num_stages=2 if F % 16 == 0 else 1),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
             # 4 warps at Dv <= 32: with 8, triton 3.6 spills 8 bytes on sm_80 (bf16 inputs, F not a multiple of 16);
@@ -581,18 +583,20 @@ def _is_fused(F_, dtype, squares):
 
 
 def _fused_segments(BH, T, F_, Dv):
-    """The fused pass's segments and grid: (L chunks per segment, NS segments, NV value tiles)."""
-    NV = _cdiv(Dv, _configs(F_, Dv)["fused"]["BV"])
-    return (*_segments(_cdiv(T, CHUNK), BH * NV), NV)
+    """The fused pass's chunks, segments and grid: (C tokens per chunk, L chunks per segment, NS segments,
+    NV value tiles)."""
+    cfg = _configs(F_, Dv)["fused"]
+    NV = _cdiv(Dv, cfg["BV"])
+    return (cfg["C"], *_segments(_cdiv(T, cfg["C"]), BH * NV), NV)
 
 
-def _segment_sums(k, v, w, L, NS, reverse):
+def _segment_sums(k, v, w, L, NS, reverse, C):
     """Pass 1 with WALK=False, then a running sum over segments: S0 (BH, NS, F, Dv) and z0 (BH, NS, F),
-    float32, row p the sum of k^T v and k^T w (w: (BH, T), or None for ones) over the segments walked up
-    to and including the p-th (in walk order). They share one buffer, rows of F Dv + F, so that one
-    cumsum takes both. With NS = 1 nothing reads them: left unset, no launch."""
+    float32, row p the sum of k^T v and k^T w (w: (BH, T), or None for ones) over the segments of L chunks
+    of C tokens walked up to and including the p-th (in walk order). They share one buffer, rows of
+    F Dv + F, so that one cumsum takes both. With NS = 1 nothing reads them: left unset, no launch."""
     BH, T, F_ = k.shape
-    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
+    Dv, N = v.shape[-1], _cdiv(T, C)
     sums = torch.empty(BH, NS, F_ * Dv + F_, device=k.device, dtype=torch.float32)
     S0, z0 = sums[..., :F_ * Dv].unflatten(-1, (F_, Dv)), sums[..., F_ * Dv:]
     if NS > 1:
@@ -600,7 +604,7 @@ def _segment_sums(k, v, w, L, NS, reverse):
         w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
         tiles = (_cdiv(F_, cfg["BK"]), _cdiv(Dv, cfg["BV"]))
         _states_kernel[(BH * NS * tiles[0] * tiles[1],)](k, v, w, S0, z0, S0, z0, T, F_, Dv, N, L, int(reverse),
-                                                         C=CHUNK, BF16=k.dtype == torch.bfloat16, WALK=False,
+                                                         C=C, BF16=k.dtype == torch.bfloat16, WALK=False,
                                                          **cfg)  # (S, z unused)
         sums.cumsum_(1)
     return S0, z0
@@ -618,7 +622,7 @@ def _states(k, v, w, reverse):
     tiles = (_cdiv(F_, cfg["BK"]), _cdiv(Dv, cfg["BV"]))
     L, NS = _segments(N, BH * tiles[0] * tiles[1])
     w = torch.ones(BH, T, device=k.device, dtype=torch.float32) if w is None else w
-    S0, z0 = _segment_sums(k, v, w, L, NS, reverse)
+    S0, z0 = _segment_sums(k, v, w, L, NS, reverse, CHUNK)
     bf16 = k.dtype == torch.bfloat16  # S meets only bf16 dots then: stored rounded, half the bytes, same results
     S = torch.empty(BH, N, F_, Dv, device=k.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     z = torch.empty(BH, N, F_, device=k.device, dtype=torch.float32)
@@ -634,20 +638,20 @@ def _triton_forward(q, k, v, eps, sq=None, out_dtype=torch.float32):
     base (H,)), or None. bfloat16 with F up to FUSED_MAX_F and no closed form: the fused pass (each
     segment's sum, then _fused_kernel); else pass 1 then pass 2."""
     BH, T, F_ = q.shape
-    Dv, N = v.shape[-1], _cdiv(T, CHUNK)
+    Dv = v.shape[-1]
     y = torch.empty(BH, T, Dv, device=q.device, dtype=out_dtype)
     den = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     sq_args, sq_meta = _squares_args(sq, q)
     if _is_fused(F_, q.dtype, sq):
-        L, NS, NV = _fused_segments(BH, T, F_, Dv)
-        S0, z0 = _segment_sums(k, v, None, L, NS, reverse=False)
-        cfg = _configs(F_, Dv)["fused"]
-        _fused_kernel[(BH * NS * NV,)](q, k, v, S0, z0, y, den, T, F_, Dv, N, L, eps, C=CHUNK, **cfg)
+        C, L, NS, NV = _fused_segments(BH, T, F_, Dv)
+        S0, z0 = _segment_sums(k, v, None, L, NS, False, C)
+        _fused_kernel[(BH * NS * NV,)](q, k, v, S0, z0, y, den, T, F_, Dv, _cdiv(T, C), L, eps,
+                                       **_configs(F_, Dv)["fused"])  # (C among the settings)
         return y, den
     S, z = _states(k, v, None, reverse=False)
-    cfg = _configs(F_, Dv)["output"]
+    cfg, N = _configs(F_, Dv)["output"], _cdiv(T, CHUNK)
     _output_kernel[(_cdiv(Dv, cfg["BV"]), N, BH)](q, k, v, S, z, y, den, T, F_, Dv, N, eps, *sq_args, C=CHUNK,
-                                                        BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
+                                                  BF16=q.dtype == torch.bfloat16, **sq_meta, **cfg)
     return y, den
 
 
@@ -664,9 +668,9 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     cfg, bf16 = _configs(F_, Dv, squares=sq is not None), q.dtype == torch.bfloat16
     sq_args, sq_meta = _squares_args(sq, q)
     _dqk_kernel[(_cdiv(F_, cfg["dqk"]["BK"]), N, BH)](q, k, v, dnum, dden, S, z, R, r, dq, dk, T, F_, Dv, N, C=CHUNK,
-                                                             BF16=bf16, SQ=sq_meta["SQ"], **cfg["dqk"])
+                                                      BF16=bf16, SQ=sq_meta["SQ"], **cfg["dqk"])
     _dv_kernel[(_cdiv(Dv, cfg["dv"]["BV"]), N, BH)](q, k, dnum, R, dv, T, F_, Dv, N, *sq_args, C=CHUNK,
-                                                          BF16=bf16, **sq_meta, **cfg["dv"])
+                                                    BF16=bf16, **sq_meta, **cfg["dv"])
     if sq is None:
         return dq, dk, dv, None
     qs, ks, lam, c, base = sq
@@ -676,7 +680,7 @@ def _triton_backward(q, k, v, y, den, dy, sq=None):
     dc = torch.empty(BH, N, SQ, device=q.device, dtype=torch.float32)
     dbase = torch.empty(BH, N, device=q.device, dtype=torch.float32)
     _dsquares_kernel[(N, BH, 2)](qs, ks, lam, c, v, dnum, dden, dqs, dks, dlam, dc, dbase, T, D, Dv, N, H, C=CHUNK,
-                              BF16=bf16, **sq_meta, **cfg["dsquares"])
+                                 BF16=bf16, **sq_meta, **cfg["dsquares"])
     per_head = lambda x: x.view(BH // H, H, N, *x.shape[2:]).sum((0, 2))  # (H, ...)
     return dq, dk, dv, (dqs, dks, per_head(dlam), per_head(dc), per_head(dbase))
 
