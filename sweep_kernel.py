@@ -118,6 +118,9 @@ if __name__ == "__main__":
     })
     for key in ("lengths", "tiles", "warps", "stages", "programs", "min_segments", "chunks"):
         integers(cfg, key, 1)  # every list checked before any work
+    for key, low in (("tiles", 16), ("chunks", 16), ("warps", 1)):  # Triton's tile sizes (tl.dot: 16 at least)
+        if any(x < low or x & (x - 1) for x in integers(cfg, key, 1)):
+            raise SystemExit(f"error: --{key}={cfg[key]!r} must list powers of two >= {low}")
     if len(sizes(cfg, "shape", 3)) != 1:
         raise SystemExit(f"error: --shape={cfg['shape']!r}: one size B x H x D, e.g. 1x12x64")
     at_least(cfg, 1, "repeats")
