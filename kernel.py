@@ -549,8 +549,8 @@ def _configs(F, Dv, squares=False):
     # states: BV = 32 at Dv <= 16 too; on 16-wide tiles its segment walk spills 8 bytes on sm_90 (bf16); and
     # 1 stage there: with 2 the backward's segment sums spill 4 bytes at F = Dv = 8 (bf16, sm_80)
     return {"states": dict(BK=_tile(F, 32), BV=32, num_warps=8, num_stages=1 if Dv <= 16 else 2),
-            # fused (bf16 only): C, its chunk (and its segment sums'); BV = 64, or pipelined loads at F not a multiple
-            # of 16, spill on sm_80 (triton 3.6) at C = 64, not at C = 32 (one value tile at Dv = 64, for the sweep)
+            # fused (bf16 only): C is its chunk (and its segment sums'). At C = 64, BV = 64 spills on sm_80 (triton
+            # 3.6), as do pipelined loads at F not a multiple of 16; at C = 32, BV = 64 fits both (for the sweep)
             "fused": dict(C=CHUNK, BK=_tile(F, 128), BV=_tile(Dv, 32), num_warps=8, num_stages=2 if F % 16 == 0 else 1),
             "output": dict(BK=_tile(F, 32), BV=_tile(Dv, 64), num_warps=8, num_stages=2),
             "dqk": dict(BK=_tile(F, 32), BV=_tile(Dv, 32), num_warps=8, num_stages=2),
