@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
-from configurator import at_least, choices, configure, integers, pyplot, sizes
+from configurator import at_least, choices, configure, integers, named, positive, pyplot, sizes
 from feature_maps import make_feature_map
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
@@ -470,6 +470,8 @@ if __name__ == "__main__":
         "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
+    positive(cfg, "max_gib", "bandwidth_tbs")
+    named(cfg, "out")
     choices(cfg, "check", ("all", "timed"))
     choices(cfg, "families", FAMILIES)  # every list is checked here, before any work, whichever mode uses it
     sizes(cfg, "shapes", 3)

@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 import kernel
-from configurator import configure
+from configurator import configure, named
 
 if not kernel.HAS_TRITON or kernel.INTERPRET:
     sys.exit("error: the build check needs triton (Linux only) and TRITON_INTERPRET unset")
@@ -173,6 +173,7 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
 
 if __name__ == "__main__":
     cfg = configure({"out": "results/build_check.json"})
+    named(cfg, "out")
     rows = build_check()
     os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)
     with open(cfg["out"], "w") as f:

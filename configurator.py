@@ -8,13 +8,15 @@ Each --key=value must name an existing setting; the value is parsed to that sett
 file is a Python file of `key = value` lines with literal values (numbers, strings, booleans), read
 without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
-The scripts then check their values before any work, each with a one-line error: at_least() for sizes
-and counts, positive() for rates, choices() for comma-separated names from a fixed set, integers()
-for comma-separated integers, sizes() for comma-separated sizes like 1x12x64.
+Floats must be finite. The scripts then check their values before any work, each with a one-line error:
+at_least() for sizes and counts, positive() for rates, named() for where results go, choices() for
+comma-separated names from a fixed set, integers() for comma-separated integers, sizes() for
+comma-separated sizes like 1x12x64.
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
 imports matplotlib only when it is there.
 """
 import ast
+import math
 import sys
 
 import torch
@@ -75,8 +77,10 @@ def set_value(config, key, value, where):
             new = value
         else:
             raise ValueError
+        if isinstance(new, float) and not math.isfinite(new):  # nan passes every range check, inf most
+            raise ValueError
     except ValueError:
-        sys.exit(f"error: {where} expects a {type(old).__name__}, got {value!r}")
+        sys.exit(f"error: {where} expects a {'finite float' if isinstance(old, float) else type(old).__name__}, got {value!r}")
     config[key] = new
 
 
@@ -92,6 +96,13 @@ def positive(cfg, *keys):
     for key in keys:
         if not cfg[key] > 0:
             sys.exit(f"error: --{key}={cfg[key]} is out of range: it must be greater than 0")
+
+
+def named(cfg, *keys):
+    """Refuse empty settings that say where results go (checked before the work, not at its end)."""
+    for key in keys:
+        if not cfg[key]:
+            sys.exit(f"error: --{key} is empty: it must name where the results go")
 
 
 def choices(cfg, key, valid):

@@ -379,6 +379,13 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("probe_ar.py", [], "give --model="),
     ("probe_ar.py", ["--model=nope.pt"], "no checkpoint at nope.pt"),
     ("probe_ar.py", ["--model=nope.pt", "--num=1"], "--num=1 is out of range"),
+    ("train_ar.py", ["--weight_decay=nan"], "--weight_decay expects a finite float, got 'nan'"),  # nan passed at_least
+    ("train_gpt.py", ["--lr=inf"], "--lr expects a finite float, got 'inf'"),
+    ("bench_kernel.py", ["--bandwidth_tbs=0"], "--bandwidth_tbs=0.0 is out of range"),
+    ("train_ar.py", ["--out_dir="], "--out_dir is empty: it must name where the results go"),
+    ("decode.py", ["--out="], "--out is empty"),
+    ("convert.py", ["--results="], "--results is empty"),  # these failed after the work, at the save
+    ("train_gpt.py", ["--results="], "--results is empty"),
 ])
 def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
     err = run_script(script, *args, cwd=tmp_path, ok=False)
