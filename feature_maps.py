@@ -83,10 +83,27 @@ def _taylor_squares(q, k, half):
 
 class FeatureMap(nn.Module):
     """A symmetric map: the same phi on both sides. Subclasses define phi (or override forward).
-    Every map is built as Map(head_dim, num_heads, **options); maps without per-head parameters ignore both."""
+    Every map is built as Map(head_dim, num_heads, **options) and takes q, k of that head_dim and, when
+    num_heads > 1, that many heads (with num_heads = 1, a learned map shares one set of parameters over all heads)."""
 
     def __init__(self, head_dim, num_heads=1):
         super().__init__()
+        self.head_dim, self.num_heads = head_dim, num_heads
+
+    def __call__(self, q, k, offset=0):
+        """forward(q, k, offset), once q and k are checked."""
+        self.check(q, k)
+        return super().__call__(q, k, offset)
+
+    def check(self, q, k):
+        """q, k must be (B, H, T, D) with this map's D (and H, if built for more than one head). A wrong size
+        would otherwise fail deep in an einsum, or not at all (Taylor's scale 1/D^(1/4) is the built D's)."""
+        if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{type(self).__name__}: expected q, k of shape (B, H, T, D), got "
+                             f"{tuple(q.shape)} and {tuple(k.shape)}")
+        if q.shape[-1] != self.head_dim or (self.num_heads > 1 and q.shape[1] != self.num_heads):
+            raise ValueError(f"{type(self).__name__} was built for head_dim={self.head_dim}, num_heads={self.num_heads}; "
+                             f"got q, k of shape {tuple(q.shape)} (B, H, T, D)")
 
     def forward(self, q, k, offset=0):
         return self.phi(_fp32(q)), self.phi(_fp32(k))
@@ -105,6 +122,7 @@ class FeatureMap(nn.Module):
         """The kernel at every pair, phi_q(q_i) . phi_k(k_j): (B, H, T, S) in float32, unnormalised. The
         O(T^2) forms (attention.attention_weights, the distillation losses) start from this: from the
         closed form (squares) when that costs less per pair than the features."""
+        self.check(q, k)
         sq, D = self.squares(q, k), q.shape[-1]
         if sq is None or sq[2].shape[1] * D >= 1 + D + D * (D + 1) // 2:  # per pair: SQ D against the polynomial maps' F
             qf, kf = self(q, k)

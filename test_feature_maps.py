@@ -41,6 +41,22 @@ def test_squares_is_the_kernel_in_closed_form(name):
     assert torch.allclose(fmap.scores(q, k), K, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_map_refuses_q_k_of_another_size(name):
+    """Built for D = 8 and H = 2: another D or H, q and k apart, or a missing batch axis is one clear
+    ValueError, through the features and through scores (the closed form's path for Taylor at this D)."""
+    fmap = make_map(name, D=8, H=2)
+    q, k, _ = qkv(D=8)
+    for args, match in [((q[..., :6], k[..., :6]), "built for head_dim=8, num_heads=2; got q, k of shape \\(2, 2, 37, 6\\)"),
+                        ((torch.cat([q, q], 1), torch.cat([k, k], 1)), "built for head_dim=8, num_heads=2"),
+                        ((q, k[:, :1]), "expected q, k of shape \\(B, H, T, D\\)"),
+                        ((q[0], k[0]), "expected q, k of shape \\(B, H, T, D\\)")]:
+        for call in (fmap, fmap.scores):
+            with pytest.raises(ValueError, match=match):
+                call(*args)
+    assert fm.make_feature_map(name, 8, 1).double()(q, k)[0].shape[:3] == q.shape[:3]  # one head's map serves all
+
+
 def test_unknown_feature_map_lists_valid_names():
     with pytest.raises(ValueError, match="hedgehog.*oal|oal.*hedgehog"):
         fm.make_feature_map("softmaxx", 8)
