@@ -757,6 +757,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
     if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
         raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "
                          f"got {tuple(qf.shape)}, {tuple(kf.shape)}, {tuple(v.shape)}")
+    if not all(x.is_floating_point() for x in (qf, kf, v)):  # integers would be rounded back into v's dtype
+        raise ValueError(f"expected floating-point qf, kf, v; got {qf.dtype}, {kf.dtype}, {v.dtype}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     F_, Dv = qf.shape[-1], v.shape[-1]
