@@ -108,7 +108,7 @@ def test_kernel_fused_forward_is_the_unfused_one(programs, min_segment, segments
     assert Dv == 40 or kernel._segments(11, 4) == segments  # 11 chunks, 4 programs per segment (B H = 4, one tile)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(4, 650, 8, generator=g) for _ in range(2))
-    qf, kf = (x.bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q, k))  # F = 45
+    qf, kf = (x[0].bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q[None], k[None]))  # F = 45
     v = torch.randn(4, 650, Dv, generator=g).bfloat16()
     launched = _spy_on_fused(monkeypatch)
     fused = kernel._triton_forward(qf, kf, v, kernel.EPS)
@@ -174,7 +174,7 @@ def test_kernel_fused_chunk_is_a_setting(BV, monkeypatch):
     assert kernel._segments(21, 4 * NV) == kernel._segments(21, 16) == (4, 6)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(4, 650, 8, generator=g) for _ in range(2))
-    qf, kf = (x.bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q, k))  # F = 45
+    qf, kf = (x[0].bfloat16().contiguous() for x in make_map("taylor", D=8, H=1)(q[None], k[None]))  # F = 45
     v = torch.randn(4, 650, 40, generator=g).bfloat16()
     launched = _spy_on_fused(monkeypatch)
     fused = kernel._triton_forward(qf, kf, v, kernel.EPS)
