@@ -6,7 +6,7 @@ for sm_80 (A100) and sm_90 (H100/H200) with triton.compile and a GPUTarget, no G
 shared memory per block within the arch's limit, and no register spills (a stack frame in cuobjdump's
 resource usage; ptxas and cuobjdump ship with triton).
 
-    python build_check.py          # about 2 minutes on 2 cores with an empty Triton cache
+    python build_check.py          # about 4 minutes on 2 cores with an empty Triton cache
 
 Prints the worst case per kernel, arch and dtype and saves every launch to results/build_check.json;
 exits 1 if any launch does not fit. The launches are recorded, not run: the forward and backward run
@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -128,9 +129,12 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
     that fails."""
     shapes = [(F_, Dv, 0, 0) for F_ in kernel.BUILD_F for Dv in kernel.BUILD_DV] + \
         [(1 + D + D * (D + 1) // 2, Dv, D, SQ) for D, SQ in kernel.BUILD_SQUARES for Dv in kernel.BUILD_DV]
-    rows, seen = [], {}
+    rows, seen, t0 = [], {}, time.time()
     for dtype in dtypes:
         for F_, Dv, D, SQ in shapes:
+            if verbose and Dv == kernel.BUILD_DV[0]:  # progress, a line per feature size
+                print(f"{time.time() - t0:4.0f} s, {len(seen)} compiled: {str(dtype).removeprefix('torch.')}, F = {F_}"
+                      + (f" (closed form, D = {D}, {SQ} terms)" if SQ else ""), flush=True)
             for fn, grid, args, meta in recorded_launches(F_, Dv, T, dtype, D, SQ):
                 specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
                 dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))

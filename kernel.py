@@ -93,6 +93,9 @@ try:
 except ImportError:
     HAS_TRITON = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, so read it here too
+# fused multiply-adds in the compiled kernels, as built and measured (triton <= 3.9's default, which 3.9 warns
+# will be off from 3.10 unless this is set); a value the user set is kept
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 EPS = 1e-6  # the denominator's guard against rows of zero weight (a ReLU map can give one)
 
 # ----------------------------------------------------------------------------------------------
