@@ -57,8 +57,17 @@ def entropy(weights):
     return -(weights * weights.clamp_min(1e-30).log()).sum(-1)
 
 
+def _check(q, k, v, names="q, k"):
+    """q, k (B, H, T, D) alike and v (B, H, T, Dv), or one ValueError naming the shapes (the public forms
+    start here; a mismatch would otherwise fail inside a matmul, or broadcast)."""
+    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected {names} of shape (B, H, T, D) and v of shape (B, H, T, Dv); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
 def softmax_attention(q, k, v, causal=True):
     """The readable reference: softmax(q k^T / sqrt(D)) v. Models call F.scaled_dot_product_attention, which tests check equals this."""
+    _check(q, k, v)
     return attention_weights(q, k, causal=causal).to(v.dtype) @ v
 
 
@@ -142,8 +151,9 @@ def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto", squares=No
     """Linear attention in O(T): causal through kernel.causal_linear_attention (chunked; backend "auto"
     uses Triton when it can run; squares: the map's closed form, FeatureMap.squares, for the scores within
     a chunk), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
-    if causal:
+    if causal:  # (which checks the shapes)
         return causal_linear_attention(qf, kf, v, eps=eps, backend=backend, squares=squares)
+    _check(qf, kf, v, "qf, kf")
     qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
     num = qf @ (kf.transpose(-1, -2) @ vf)  # (B, H, T, F) @ (B, H, F, Dv)
     den = qf @ kf.sum(-2).unsqueeze(-1) + eps  # (B, H, T, 1)
@@ -211,6 +221,8 @@ def hybrid_weights(q, k, qf, kf, window, gate, causal=True):
 
 def hybrid_attention_quadratic(q, k, qf, kf, v, window, gate, causal=True):
     """The hybrid with its weights materialised: O(T^2), the reference the other forms must equal."""
+    _check(q, k, v)
+    _check(qf, kf, v, "qf, kf")
     return (hybrid_weights(q, k, qf, kf, window, gate, causal) @ _fp32(v)).to(v.dtype)
 
 
@@ -219,6 +231,8 @@ def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
     the keys of its own chunk and of chunk n-1 directly (up to 2C of them), each either in its window
     or in the masked linear block, and everything before chunk n-1 (at least C + 1 > w tokens back)
     through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
+    _check(q, k, v)
+    _check(qf, kf, v, "qf, kf")
     q, k, qf, kf, vf = (_fp32(x) for x in (q, k, qf, kf, v))
     B, H, T, _ = q.shape
     C, g = max(chunk, window), _gate(gate, q, window)

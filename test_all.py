@@ -238,6 +238,20 @@ def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no
             form()
 
 
+def test_the_public_forms_refuse_shapes_that_do_not_fit():
+    """k of another head count would broadcast, v of another length fail inside a matmul: one ValueError each."""
+    q, k, v = qkv(T=8)
+    for form, names in [(lambda q, k, v: softmax_attention(q, k, v), "q, k"),
+                        (lambda q, k, v: linear_attention(q.exp(), k.exp(), v, causal=False), "qf, kf"),
+                        (lambda q, k, v: linear_attention(q.exp(), k.exp(), v), "qf, kf"),
+                        (lambda q, k, v: hybrid_attention_quadratic(q, k, q, k, v, 2, 1.0), "q, k"),
+                        (lambda q, k, v: hybrid_attention(q, k, q, k, v, 2, 1.0), "q, k"),
+                        (lambda q, k, v: sliding_window_attention(q, k, v, 2), "q, k")]:
+        for bad in [(q, k[:, :1], v), (q, k, v[:, :, :5]), (q[0], k[0], v[0])]:
+            with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, (D|F)\\)"):
+                form(*bad)
+
+
 def test_the_window_max_sets_the_balance_of_the_two_parts():
     """m_i comes from the window alone, so the window's share of a row does not depend on the scale of
     its scores: with w equal window keys, the window's terms are all exactly g and its share is
