@@ -151,7 +151,7 @@ def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto", squares=No
     """Linear attention in O(T): causal through kernel.causal_linear_attention (chunked; backend "auto"
     uses Triton when it can run; squares: the map's closed form, FeatureMap.squares, for the scores within
     a chunk), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
-    if causal:  # (which checks the shapes)
+    if causal:  # causal_linear_attention checks the shapes itself
         return causal_linear_attention(qf, kf, v, eps=eps, backend=backend, squares=squares)
     _check(qf, kf, v, "qf, kf")
     qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
