@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from feature_maps import FEATURE_MAPS, _fp32, make_feature_map
-from kernel import EPS, causal_linear_attention  # EPS = 1e-6, the linear attention denominator's guard
+from kernel import EPS, causal_linear_attention, check_shapes  # EPS = 1e-6, the linear attention denominator's guard
 
 DISTILL_EPS = 1e-12  # the normaliser of the weights Hedgehog distils (Sec. 4.2)
 
@@ -57,17 +57,9 @@ def entropy(weights):
     return -(weights * weights.clamp_min(1e-30).log()).sum(-1)
 
 
-def _check(q, k, v, names="q, k"):
-    """q, k (B, H, T, D) alike and v (B, H, T, Dv), or one ValueError naming the shapes (the public forms
-    start here; a mismatch would otherwise fail inside a matmul, or broadcast)."""
-    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"expected {names} of shape (B, H, T, D) and v of shape (B, H, T, Dv); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-
-
 def softmax_attention(q, k, v, causal=True):
     """The readable reference: softmax(q k^T / sqrt(D)) v. Models call F.scaled_dot_product_attention, which tests check equals this."""
-    _check(q, k, v)
+    check_shapes(q, k, v, "q, k")
     return attention_weights(q, k, causal=causal).to(v.dtype) @ v
 
 
@@ -153,7 +145,7 @@ def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto", squares=No
     a chunk), bidirectional as qf (kf^T v) / (qf . sum_j kf_j + eps)."""
     if causal:  # causal_linear_attention checks the shapes itself
         return causal_linear_attention(qf, kf, v, eps=eps, backend=backend, squares=squares)
-    _check(qf, kf, v, "qf, kf")
+    check_shapes(qf, kf, v)
     qf, kf, vf = _fp32(qf), _fp32(kf), _fp32(v)
     num = qf @ (kf.transpose(-1, -2) @ vf)  # (B, H, T, F) @ (B, H, F, Dv)
     den = qf @ kf.sum(-2).unsqueeze(-1) + eps  # (B, H, T, 1)
@@ -221,8 +213,8 @@ def hybrid_weights(q, k, qf, kf, window, gate, causal=True):
 
 def hybrid_attention_quadratic(q, k, qf, kf, v, window, gate, causal=True):
     """The hybrid with its weights materialised: O(T^2), the reference the other forms must equal."""
-    _check(q, k, v)
-    _check(qf, kf, v, "qf, kf")
+    check_shapes(q, k, v, "q, k")
+    check_shapes(qf, kf, v)
     return (hybrid_weights(q, k, qf, kf, window, gate, causal) @ _fp32(v)).to(v.dtype)
 
 
@@ -231,8 +223,8 @@ def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
     the keys of its own chunk and of chunk n-1 directly (up to 2C of them), each either in its window
     or in the masked linear block, and everything before chunk n-1 (at least C + 1 > w tokens back)
     through the state S = sum kf_j v_j^T, z = sum kf_j of those chunks."""
-    _check(q, k, v)
-    _check(qf, kf, v, "qf, kf")
+    check_shapes(q, k, v, "q, k")
+    check_shapes(qf, kf, v)
     q, k, qf, kf, vf = (_fp32(x) for x in (q, k, qf, kf, v))
     B, H, T, _ = q.shape
     C, g = max(chunk, window), _gate(gate, q, window)

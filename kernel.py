@@ -748,6 +748,14 @@ def triton_covered(F_, Dv, D=0, SQ=0):
     return D <= 128 and _code_key(F_, Dv, D, SQ) in COVERED
 
 
+def check_shapes(a, b, v, names="qf, kf"):
+    """a, b (B, H, T, .) alike (qf, kf here; q, k too in attention.py) and v (B, H, T, Dv), or one ValueError
+    naming the shapes: a mismatch would otherwise fail inside a matmul, or broadcast."""
+    if a.dim() != 4 or a.shape != b.shape or v.dim() != 4 or v.shape[:3] != a.shape[:3]:
+        raise ValueError(f"expected {names} of shape (B, H, T, .) alike and v of shape (B, H, T, Dv); got "
+                         f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(v.shape)}")
+
+
 def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
     """Normalised causal linear attention. qf, kf: (B, H, T, F); v: (B, H, T, Dv) -> (B, H, T, Dv).
 
@@ -757,9 +765,7 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
     carry the state between chunks. FeatureMap.squares gives it for Taylor, TaylorShift, the quadratic and
     OAL. Gradients flow to all five (autograd adds the paths through qf, kf). backend="auto" uses it only
     when it picks the Triton kernels: on a CPU the fallback is as fast on the features."""
-    if qf.dim() != 4 or qf.shape != kf.shape or v.dim() != 4 or v.shape[:3] != qf.shape[:3]:
-        raise ValueError(f"expected qf, kf of shape (B, H, T, F) and v of shape (B, H, T, Dv); "
-                         f"got {tuple(qf.shape)}, {tuple(kf.shape)}, {tuple(v.shape)}")
+    check_shapes(qf, kf, v)
     if not all(x.is_floating_point() for x in (qf, kf, v)):  # integers would be rounded back into v's dtype
         raise ValueError(f"expected floating-point qf, kf, v; got {qf.dtype}, {kf.dtype}, {v.dtype}")
     if backend not in ("auto", "triton", "torch"):

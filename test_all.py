@@ -248,7 +248,7 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
                         (lambda q, k, v: hybrid_attention(q, k, q, k, v, 2, 1.0), "q, k"),
                         (lambda q, k, v: sliding_window_attention(q, k, v, 2), "q, k")]:
         for bad in [(q, k[:, :1], v), (q, k, v[:, :, :5]), (q[0], k[0], v[0])]:
-            with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, (D|F)\\)"):
+            with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, \\.\\) alike"):
                 form(*bad)
 
 
