@@ -164,7 +164,7 @@ class Exp(FeatureMap):
     When q and k come from learned, unnormalised projections, exp(t W x) = exp((t W) x): t only rescales
     the initialisation and the learning rate of W. normalize=True makes t a temperature: q and k are
     L2-normalised first, so every element lies in [-1, 1], each kernel term e^(t (q_l + k_l)) in
-    [e^-2t, e^2t], and how peaked a row can be is set by t alone.
+    [e^-2t, e^2t], and how peaked a row can be is set by t alone (exp_norm_ratio_bound, below).
     """
 
     def __init__(self, head_dim, num_heads=1, t=1.0, normalize=False):
@@ -176,6 +176,16 @@ class Exp(FeatureMap):
         if self.normalize:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         return stable_exp_qk(self.t * q, self.t * k)
+
+
+def exp_norm_ratio_bound(t, head_dim):
+    """How far Exp(normalize=True) can lift one key over another: for unit q, k, k' of D = head_dim,
+    K(q, k) / K(q, k') is at most the value returned, K(q, k) = sum_l e^(t x_l) with x = q + k, |x| <= 2.
+    Below, by Jensen, K >= D e^(t mean(x)) >= D e^(-2t / sqrt(D)). Above, by the power series,
+    K <= D + 2t sqrt(D) + e^(2t) - 1 - 2t, since sum_l x_l <= 2 sqrt(D) and sum_l x_l^n <= |x|^n <= 2^n
+    for n >= 2. So a row puts at most n R / (n R + m) on n positions against m others, R this bound."""
+    D = head_dim
+    return (math.exp(2 * t) + D - 1 + 2 * t * (math.sqrt(D) - 1)) / (D * math.exp(-2 * t / math.sqrt(D)))
 
 
 class Performer(FeatureMap):
