@@ -23,7 +23,7 @@ What the default holds equal, so that the comparison is about spikiness:
   the answer, so a run shows when the two form.
 - Temperature. With learned projections exp(t W x) = exp((t W) x), so exp_t1 and exp_t2 differ only
   in initial scale. exp_norm_t* L2-normalises q and k first (feature_maps.Exp), which bounds each
-  kernel term to [e^-2t, e^2t]: there t really sets how peaked a row can be.
+  kernel term to [e^-2t, e^2t]: there t really sets how peaked a row can be (feature_maps.exp_norm_ratio_bound).
 
 The data, the model and the measurements of the lookup are in ar.py: two data formats, "pairs" (the
 default, with token shift) and "h3", H3's generator as published. config/ar_h3.py is H3's whole recipe.
