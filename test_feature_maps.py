@@ -193,15 +193,13 @@ def test_exp_weights_unchanged_by_stabilisation():
         assert torch.allclose(A, raw / raw.sum(-1, keepdim=True), atol=1e-12)
 
 
-
 def test_exp_norm_ratio_bound_holds_against_an_adversary():
     """exp_norm's ratio K(q, k) / K(q, k') for unit q, k, k', pushed up by gradient ascent through the map
     itself, stays under fm.exp_norm_ratio_bound. Where every vector sits on its own axis the ratio is
     (e^2t + D - 1) / (2 e^t + D - 2), which the ascent must pass: that arrangement is not the largest."""
     for D in (8, 64):
-        fmap = fm.make_feature_map("exp", D, t=1.0, normalize=True)
         for t in (1.0, 2.0, 4.0, 8.0):
-            fmap.t = t
+            fmap = fm.make_feature_map("exp", D, t=t, normalize=True)
             torch.manual_seed(0)
             x = torch.randn(3, D, requires_grad=True)  # q, k, k' before the map normalises them
             opt = torch.optim.Adam([x], lr=0.05)
@@ -214,6 +212,7 @@ def test_exp_norm_ratio_bound_holds_against_an_adversary():
                 opt.step()
             on_axes = (math.exp(2 * t) + D - 1) / (2 * math.exp(t) + D - 2)
             assert on_axes < log_ratio.exp().item() <= fm.exp_norm_ratio_bound(t, D), (D, t)
+
 
 def test_performer_estimates_exp():
     """E[phi(q).phi(k)] = exp(s): over 300 independent draws of W, the mean ratio to exp(s) is within
