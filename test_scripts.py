@@ -1,6 +1,7 @@
 """
 The scripts as a user runs them: the kernel benchmarks, the GPT and its conversion, tokenizer,
-checkpoints, resume, decoding, and one-line refusals of bad input (associative recall: test_ar.py).
+checkpoints, resume, decoding, one-line refusals of bad input (associative recall: test_ar.py), and
+the links of the README and docs/results.md.
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -435,3 +436,25 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoints(tmp_path):
                      "--eval_iters=1", "--batch_size=2", "--plots=false", cwd=tmp_path, ok=False)
     assert "finetuning step" in err and "the loss is nan" in err, err
     assert "the loss is nan" in json.load(open(tmp_path / "results" / "convert.json"))[-1]["stopped"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the docs
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_every_link_in_the_docs_resolves(doc):
+    """Each relative link names a file that exists, and each #anchor a heading of it (GitHub's anchors:
+    lower case, punctuation but - and _ dropped, spaces to -), so renaming a heading cannot orphan a link."""
+    def anchor(heading):
+        return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+    links = re.findall(r"\]\(([^)\s]+)\)", open(os.path.join(HERE, doc)).read())
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, name = link.partition("#")
+        target = os.path.normpath(os.path.join(HERE, os.path.dirname(doc), path)) if path else os.path.join(HERE, doc)
+        assert os.path.exists(target), f"{doc}: {link} names no file"
+        headings = re.findall(r"^#+ (.*)$", open(target).read(), re.M) if name else []
+        assert not name or name in map(anchor, headings), f"{doc}: {link} names no heading"
