@@ -31,7 +31,7 @@ import kernel
 from configurator import configure, named
 
 if not kernel.HAS_TRITON or kernel.INTERPRET:
-    sys.exit("error: the build check needs triton (Linux only) and TRITON_INTERPRET unset")
+    sys.exit(f"error: the build check needs triton {kernel.TRITON_MIN[0]}.{kernel.TRITON_MIN[1]}+ (Linux only) and TRITON_INTERPRET unset")
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget

@@ -82,6 +82,7 @@ ordered segments first; the fused forward has not run on a GPU yet.
 import functools
 import math
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +90,12 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-    HAS_TRITON = True
+    TRITON_VERSION = triton.__version__
 except ImportError:
-    HAS_TRITON = False
+    TRITON_VERSION = None
+TRITON_MIN = (3, 6)  # the oldest triton build_check.py compiled every launch with, and a GPU ran them with
+# an older one counts as absent and the PyTorch fallback runs: torch 2.1's triton 2.1 aborts compiling the closed form
+HAS_TRITON = TRITON_VERSION is not None and tuple(int(n) for n in re.findall(r"\d+", TRITON_VERSION)[:2]) >= TRITON_MIN
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, so read it here too
 # fused multiply-adds in the compiled kernels, as built and measured (triton <= 3.9's default, which 3.9 warns
 # will be off from 3.10 unless this is set); a value the user set is kept
@@ -780,7 +784,11 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
             raise ValueError("squares: expected q, k (B, H, T, D) with qf's B, H, T, lam (H, SQ, D), c (H, SQ), base (H,); got "
                              + ", ".join(str(tuple(x.shape)) for x in squares))
     triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu")) and D <= 128
+    too_old = f"triton {TRITON_VERSION} is older than {TRITON_MIN[0]}.{TRITON_MIN[1]}, the oldest the kernels are built with"
     if backend == "auto":
+        if qf.is_cuda and TRITON_VERSION and not HAS_TRITON and too_old not in _said:
+            _said.add(too_old)
+            print(f"kernel.py: {too_old}; using the PyTorch fallback")
         backend = "triton" if triton_ok else "torch"
         if backend == "torch":
             squares = None  # the fallback is as fast on the features (bench_kernel.py --closed_form=true)
@@ -791,9 +799,14 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
                 sizes = f"F = {F_}, Dv = {Dv}" + (f", closed form D = {D}, {SQ} terms" if SQ else "")
                 print(f"kernel.py: {sizes} is outside the Triton build check; using the PyTorch fallback")
     if backend == "triton" and not triton_ok:
-        why = "triton is not installed" if not HAS_TRITON else \
-            f"the closed form's D = {D} is over the kernels' one tile of 128" if D > 128 else \
-            f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
+        if TRITON_VERSION is None:
+            why = "triton is not installed"
+        elif not HAS_TRITON:
+            why = too_old
+        elif D > 128:
+            why = f"the closed form's D = {D} is over the kernels' one tile of 128"
+        else:
+            why = f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
         raise RuntimeError(f"backend='triton' cannot run here: {why}. Use backend='torch'.")
     squares = squares or (None,) * 5
     if backend == "triton":

@@ -281,6 +281,23 @@ def test_auto_backend_covers_the_build_checked_sizes():
     assert not kernel.triton_covered(8385, 64, 128, 2)  # D = 128: a tile of 128, not build-checked
 
 
+def test_an_older_triton_counts_as_absent(tmp_path):
+    """A triton older than kernel.TRITON_MIN (torch 2.1 pins its own 2.1, which aborts compiling the closed
+    form) leaves the PyTorch fallback: auto runs it, backend="triton" refuses in one line that names the version."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text('__version__ = "2.1.0"\n')
+    (tmp_path / "triton" / "language.py").write_text("")
+    code = ("import torch, kernel\n"
+            "x = torch.rand(1, 2, 9, 4)\n"
+            "print(kernel.HAS_TRITON, torch.equal(kernel.causal_linear_attention(x, x, x), kernel.causal_linear_attention(x, x, x, backend='torch')))\n"
+            "try:\n    kernel.causal_linear_attention(x, x, x, backend='triton')\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    (tmp_path / "check.py").write_text(code)
+    out = run_script(str(tmp_path / "check.py"), cwd=tmp_path).splitlines()
+    assert out == ["False True", "backend='triton' cannot run here: triton 2.1.0 is older than 3.6, the oldest the kernels "
+                   "are built with. Use backend='torch'."], out
+
+
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton),
                                            pytest.param("triton", torch.bfloat16, marks=needs_triton)])
 @pytest.mark.parametrize("name", POLYNOMIAL)
