@@ -30,12 +30,11 @@ import torch
 import kernel
 from configurator import configure, named
 
-if not kernel.HAS_TRITON or kernel.INTERPRET:
-    sys.exit(f"error: the build check needs triton {kernel.TRITON_MIN[0]}.{kernel.TRITON_MIN[1]}+ (Linux only) and TRITON_INTERPRET unset")
-import triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend, GPUTarget
-from triton.compiler import ASTSource
+if kernel.HAS_TRITON:
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
 
 SHARED_PER_BLOCK = {80: 166912, 90: 232448}  # bytes a block may use: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
 
@@ -178,6 +177,9 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
 if __name__ == "__main__":
     cfg = configure({"out": "results/build_check.json"})
     named(cfg, "out")
+    if not kernel.HAS_TRITON or kernel.INTERPRET:
+        sys.exit(f"error: the build check needs triton {kernel.TRITON_MIN[0]}.{kernel.TRITON_MIN[1]}+ (Linux only) "
+                 "and TRITON_INTERPRET unset")
     rows = build_check()
     os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)
     with open(cfg["out"], "w") as f:
