@@ -9,7 +9,8 @@ Causal linear attention, fast: Triton kernels (forward and backward) and a chunk
         qf, kf: (B, H, T, F) features, v: (B, H, T, Dv) -> y: (B, H, T, Dv) in v's dtype, differentiable.
         backend "torch": the chunked fallback; "triton": the kernels; "auto": Triton on CUDA tensors for
         the sizes the build check covers (else the fallback, said once), Triton on CPU tensors when
-        TRITON_INTERPRET=1 was set before import, else the fallback.
+        TRITON_INTERPRET=1 was set before import, else the fallback. The kernels need triton 3.6+
+        (TRITON_MIN); an older one counts as none.
         squares: the polynomial maps' kernel in closed form (FeatureMap.squares; Taylor, TaylorShift, the
         quadratic and OAL), qf_i . kf_j = base + sum_r (c_r + sum_l lam_rl q_il k_jl)^2 on the raw q, k
         (B, H, T, D), with lam (H, SQ, D), c (H, SQ), base (H,). Then the scores within a chunk come from
