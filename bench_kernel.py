@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
-from configurator import at_least, choices, configure, integers, named, positive, pyplot, sizes
+from configurator import at_least, choices, configure, integers, positive, pyplot, sizes, writable
 from feature_maps import make_feature_map
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
@@ -471,7 +471,9 @@ if __name__ == "__main__":
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
     positive(cfg, "max_gib", "bandwidth_tbs")
-    named(cfg, "out")
+    writable(cfg, "out")
+    if cfg["report_out"]:  # else named after the GPU, in results/
+        writable(cfg, "report_out")
     choices(cfg, "check", ("all", "timed"))
     choices(cfg, "families", FAMILIES)  # every list is checked here, before any work, whichever mode uses it
     sizes(cfg, "shapes", 3)

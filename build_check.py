@@ -28,7 +28,7 @@ import time
 import torch
 
 import kernel
-from configurator import configure, named
+from configurator import configure, writable
 
 if kernel.HAS_TRITON:
     import triton
@@ -176,7 +176,7 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
 
 if __name__ == "__main__":
     cfg = configure({"out": "results/build_check.json"})
-    named(cfg, "out")
+    writable(cfg, "out")
     if not kernel.HAS_TRITON or kernel.INTERPRET:
         sys.exit(f"error: the build check needs triton {kernel.TRITON_MIN[0]}.{kernel.TRITON_MIN[1]}+ (Linux only) "
                  "and TRITON_INTERPRET unset")

@@ -9,7 +9,7 @@ file is a Python file of `key = value` lines with literal values (numbers, strin
 without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
 Floats must be finite. The scripts then check their values before any work, each with a one-line error:
-at_least() for sizes and counts, positive() for rates, named() for where results go, choices() for
+at_least() for sizes and counts, positive() for rates, writable() for where results go, choices() for
 comma-separated names from a fixed set, integers() for comma-separated integers, sizes() for
 comma-separated sizes like 1x12x64.
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
@@ -17,6 +17,7 @@ imports matplotlib only when it is there.
 """
 import ast
 import math
+import os
 import sys
 
 import torch
@@ -98,11 +99,25 @@ def positive(cfg, *keys):
             sys.exit(f"error: --{key}={cfg[key]} is out of range: it must be greater than 0")
 
 
-def named(cfg, *keys):
-    """Refuse empty settings that say where results go (checked before the work, not at its end)."""
+def writable(cfg, *keys, folder=False):
+    """Refuse settings that say where results go (a file, or with folder=True a folder) when nothing could be
+    written there: empty, a folder where a file is wanted, a path below a file, or a place this user cannot
+    write. Checked before the work, not at its end, and without creating anything."""
     for key in keys:
-        if not cfg[key]:
+        path = cfg[key]
+        if not path:
             sys.exit(f"error: --{key} is empty: it must name where the results go")
+        if not folder and os.path.isdir(path):
+            sys.exit(f"error: --{key}={path} is a folder: it must name a file")
+        if not folder and os.path.exists(path) and not os.access(path, os.W_OK):
+            sys.exit(f"error: --{key}={path} cannot be written: the file is read-only")
+        parent = os.path.abspath(path if folder else os.path.dirname(path) or ".")
+        while not os.path.exists(parent):  # the nearest part of the path that exists decides
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            sys.exit(f"error: --{key}={path} cannot be written: {parent} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            sys.exit(f"error: --{key}={path} cannot be written: {parent} is not writable")
 
 
 def choices(cfg, key, valid):

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import distill
 from attention import attention_weights, entropy
-from configurator import at_least, choices, configure, integers, named, pick_device, positive, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, positive, pyplot, writable
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -254,7 +254,7 @@ def main(cfg):
     at_least(cfg, 0, "distill_iters", "finetune_iters")
     at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
     positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")
-    named(cfg, "results")
+    writable(cfg, "results")
     seeds = integers(cfg, "seeds") if cfg["seeds"] else [cfg["seed"]]
     dev = pick_device(cfg["device"])
     print(f"device: {dev}, torch threads: {torch.get_num_threads()}")

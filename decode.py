@@ -22,7 +22,7 @@ import time
 import torch
 
 from attention import ATTENTIONS, MultiHeadAttention
-from configurator import at_least, choices, configure, integers, named, pick_device, pyplot
+from configurator import at_least, choices, configure, integers, pick_device, pyplot, writable
 from gpt import GPT, load_checkpoint
 
 # ---- config: plain values, override with --key=value ----
@@ -110,7 +110,7 @@ def main(cfg):
     names = choices(cfg, "attentions", ATTENTIONS)
     lengths = integers(cfg, "contexts", 1)
     at_least(cfg, 1, "heads", "head_dim", "tokens", "threads", "window", "gpt_tokens")
-    named(cfg, "out")
+    writable(cfg, "out")
     dev = pick_device(cfg["device"])
     if dev == "cpu":
         torch.set_num_threads(cfg["threads"])

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
-from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot
+from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot, writable
 from oal_groups import contribution_scores
 from gpt import load_text
 
@@ -135,10 +135,12 @@ def conversion(model, students, names, layer_ids, sentences, test_ids):
 
 def main(cfg):
     t0 = time.time()
+    cfg = dict(cfg, results=cfg["results"] or f"results/fidelity_{cfg['model']}.json")
     torch.manual_seed(cfg["seed"])
     at_least(cfg, 1, "seq_len", "calib", "val", "test", "window")
     at_least(cfg, 0, "steps", "sentences")
     positive(cfg, "lr")
+    writable(cfg, "results")
     lengths = integers(cfg, "lengths", 1)
     names = choices(cfg, "maps", ATTENTIONS[1:])  # every feature map, swa and lolcats
     convert_names = [n for n in cfg["convert_maps"].split(",") if n]
@@ -193,7 +195,7 @@ def main(cfg):
                    "middle": conversion(model, students, convert_names, middle, sents, test_x[cfg["seq_len"]])}
 
     summary = report(rows, names, lengths, contrib, groups, convert, cfg)
-    out = cfg["results"] or f"results/fidelity_{cfg['model']}.json"
+    out = cfg["results"]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"model": cfg["model"], "config": cfg, "summary": summary, "rows": rows, "groups": groups,

@@ -24,7 +24,7 @@ import torch
 
 import distill
 import pretrained
-from configurator import at_least, configure, integers, layer_list, named, positive, pyplot
+from configurator import at_least, configure, integers, layer_list, positive, pyplot, writable
 from feature_maps import OAL
 from oal_groups import contribution_scores, find_groups
 from gpt import load_text
@@ -66,7 +66,7 @@ def main(cfg):
     at_least(cfg, 1, "seq_len", "calib", "test", "val")
     at_least(cfg, 0, "steps")
     positive(cfg, "lr")
-    named(cfg, "out")
+    writable(cfg, "out")
     budgets = integers(cfg, "budgets", 1)
     net, encode, special = pretrained.load(cfg["model"])
     net.requires_grad_(False)

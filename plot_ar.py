@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from configurator import configure, pyplot
+from configurator import configure, pyplot, writable
 
 # ---- config: plain values, override with --key=value ----
 runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
@@ -337,7 +337,8 @@ if __name__ == "__main__":
         paths += found
     if not paths:
         raise SystemExit("error: --runs: give one or more ar.json files, comma-separated")
-    out = cfg["out_dir"] or os.path.dirname(paths[0]) or "."
+    cfg["out_dir"] = cfg["out_dir"] or os.path.dirname(paths[0]) or "."
+    writable(cfg, "out_dir", folder=True)
     records = load(paths)
-    os.makedirs(out, exist_ok=True)
-    report(records, out, cfg["plots"])
+    os.makedirs(cfg["out_dir"], exist_ok=True)
+    report(records, cfg["out_dir"], cfg["plots"])

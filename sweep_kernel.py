@@ -18,7 +18,7 @@ import torch
 
 import kernel
 from bench_kernel import _device, _one_line, _out_path, _time
-from configurator import at_least, configure, integers, sizes
+from configurator import at_least, configure, integers, sizes, writable
 from kernel import HAS_TRITON, INTERPRET
 
 
@@ -124,4 +124,6 @@ if __name__ == "__main__":
     if len(sizes(cfg, "shape", 3)) != 1:
         raise SystemExit(f"error: --shape={cfg['shape']!r}: one size B x H x D, e.g. 1x12x64")
     at_least(cfg, 1, "repeats")
+    if cfg["out"]:  # else named after the GPU, in results/
+        writable(cfg, "out")
     sweep(cfg)

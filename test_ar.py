@@ -133,6 +133,27 @@ def test_config_files(tmp_path):
     assert (cfg["format"], cfg["d_model"], cfg["mlp_ratio"], cfg["token_shift"], cfg["warmup"]) == ("h3", 32, 4, False, 0.1)
 
 
+def test_writable_refuses_what_cannot_be_written(tmp_path, monkeypatch):
+    """configurator.writable, the check of every output path before the work: a folder where a file is wanted,
+    a file on the way to a folder, and (read-only places: a stand-in os.access, since root may write anywhere)
+    a read-only file or folder; a new path below a writable folder passes, and nothing is created."""
+    (tmp_path / "f.json").write_text("{}")
+    ok = {"out": str(tmp_path / "new" / "deeper" / "x.json"), "dir": str(tmp_path / "new" / "runs")}
+    configurator.writable(ok, "out")
+    configurator.writable(ok, "dir", folder=True)
+    assert os.listdir(tmp_path) == ["f.json"]
+    for cfg, folder, message in [({"out": str(tmp_path)}, False, "is a folder: it must name a file"),
+                                 ({"out": str(tmp_path / "f.json" / "x.json")}, False, "f.json is a file, not a folder"),
+                                 ({"out": str(tmp_path / "f.json")}, True, "f.json is a file, not a folder")]:
+        with pytest.raises(SystemExit, match=message):
+            configurator.writable(cfg, "out", folder=folder)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(SystemExit, match="the file is read-only"):
+        configurator.writable({"out": str(tmp_path / "f.json")}, "out")
+    with pytest.raises(SystemExit, match=f"{tmp_path} is not writable"):
+        configurator.writable({"out": str(tmp_path / "new" / "runs")}, "out", folder=True)
+
+
 AR_FIELDS = {"attention", "seed", "test_acc", "features", "state_size", "retrieval_entropy", "target_mass"}
 
 

@@ -387,6 +387,16 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("decode.py", ["--out="], "--out is empty"),
     ("convert.py", ["--results="], "--results is empty"),  # these failed after the work, at the save
     ("train_gpt.py", ["--results="], "--results is empty"),
+    # paths that cannot be written: these too failed after the work, at the save
+    ("train_ar.py", ["--out_dir=" + os.path.join(HERE, "README.md", "runs")], "README.md is a file, not a folder"),
+    ("train_gpt.py", ["--out_dir=" + os.path.join(HERE, "README.md")], "README.md is a file, not a folder"),
+    ("convert.py", ["--results=" + HERE], "is a folder: it must name a file"),
+    ("fidelity.py", ["--results=" + HERE], "is a folder: it must name a file"),
+    ("decode.py", ["--out=" + os.path.join(HERE, "README.md", "decode.json")], "README.md is a file, not a folder"),
+    ("bench_kernel.py", ["--report=true", "--report_out=" + HERE], "is a folder: it must name a file"),
+    ("sweep_kernel.py", ["--out=" + HERE], "is a folder: it must name a file"),
+    ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json"), "--out_dir=" + os.path.join(HERE, "README.md")],
+     "README.md is a file, not a folder"),
 ])
 def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
     err = run_script(script, *args, cwd=tmp_path, ok=False)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ar import ARModel, answer_positions, evaluate, lookup_stats, make_data
-from configurator import at_least, choices, configure, integers, named, pick_device, positive
+from configurator import at_least, choices, configure, integers, pick_device, positive, writable
 from feature_maps import FEATURE_MAPS, make_feature_map
 from gpt import load_checkpoint, save_checkpoint
 from plot_ar import first_difference, report
@@ -295,7 +295,7 @@ def check(cfg):
     at_least(cfg, 1, "num_train", "num_test", "n_layer", "d_model", "n_head", "epochs", "batch_size", "eval_every")
     at_least(cfg, 0, "mlp_ratio", "dropout", "warmup", "patience", "max_minutes", "weight_decay", "workers")
     positive(cfg, "lr")
-    named(cfg, "out_dir")
+    writable(cfg, "out_dir", folder=True)
     at_least(cfg, 3 if cfg["format"] == "pairs" else 2, "seq_len")  # one pair, and the query (pairs)
     at_least(cfg, 2 if cfg["format"] == "pairs" else 4, "vocab_size")  # keys and values (and h3's two special tokens)
     if cfg["d_model"] % cfg["n_head"]:

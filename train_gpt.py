@@ -31,7 +31,7 @@ import time
 import torch
 
 from attention import ATTENTIONS
-from configurator import at_least, choices, configure, named, pick_device, positive
+from configurator import at_least, choices, configure, pick_device, positive, writable
 from gpt import GPT, evaluate, get_batch, load_checkpoint, prepare, save_checkpoint
 
 # ---- config: plain values, override with --key=value ----
@@ -82,7 +82,8 @@ def main(cfg):
     at_least(cfg, 1, "n_layer", "n_head", "d_model", "block_size", "batch_size", "eval_interval", "eval_iters")
     at_least(cfg, 0, "max_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "weight_decay", "min_lr")
     positive(cfg, "lr")
-    named(cfg, "results")
+    writable(cfg, "results")
+    writable(cfg, "out_dir", folder=True)
     if cfg["d_model"] % cfg["n_head"]:
         raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
     ddp = "RANK" in os.environ  # launched by torchrun
