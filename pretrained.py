@@ -142,9 +142,9 @@ def load_gpt2(name="gpt2"):
         hf = GPT2LMHeadModel.from_pretrained(name)
         tok = AutoTokenizer.from_pretrained(name)
     except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"could not load {name!r} through transformers (offline?): {first}\n"
-                           f"The offline model here is MiniLM: {MINILM_HELP}") from None
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"could not load {name!r} through transformers (offline?): {first}; "
+                           f"the offline model here is --model=minilm: {MINILM_HELP}") from None
     return gpt2_from_transformers(hf), tok
 
 

@@ -77,6 +77,16 @@ def test_minilm_matches_transformers(minilm):
 
 
 @needs_transformers
+def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
+    """A misspelt or not-downloaded model name: one line naming it and the offline model, no traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail at once, without the network
+    err = run_script("fidelity.py", "--model=no-such-model", cwd=tmp_path, ok=False)
+    assert len(err.strip().splitlines()) == 1, err
+    assert "could not load 'no-such-model' through transformers" in err and "--model=minilm" in err, err
+    assert not os.listdir(tmp_path)
+
+
+@needs_transformers
 def test_gpt2_weights_map_onto_our_gpt():
     """A small random GPT-2 from transformers (no download) gives the same logits through our GPT."""
     from transformers import GPT2Config, GPT2LMHeadModel
