@@ -136,7 +136,7 @@ def linear_attention_chunked(qf, kf, v, chunk=64, eps=EPS):
         ys.append(num / den)
         S = S + k.transpose(-1, -2) @ v_c  # the state after this chunk
         z = z + k.sum(2).unsqueeze(-1)
-    return torch.cat(ys, dim=2).to(v.dtype)
+    return torch.cat(ys, dim=2).to(v.dtype) if ys else v.clone()  # T = 0: no chunks
 
 
 def linear_attention(qf, kf, v, causal=True, eps=EPS, backend="auto", squares=None):
@@ -195,6 +195,8 @@ def _window_scores(q, k, in_window):
     """g-less window terms e^{s_ij - m_i}, 0 outside the window; q (B, H, Tq, D), k (B, H, Tk, D)."""
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
     s = s.masked_fill(~in_window, float("-inf"))
+    if s.shape[-1] == 0:  # no keys (T = 0): nothing for amax to reduce
+        return s
     return (s - s.amax(-1, keepdim=True)).exp()
 
 
@@ -242,7 +244,7 @@ def hybrid_attention(q, k, qf, kf, v, window, gate, chunk=64):
         ys.append(num / den)
         S = S + kf[:, :, lo:start].transpose(-1, -2) @ vf[:, :, lo:start]  # the previous chunk moves into the state
         z = z + kf[:, :, lo:start].sum(2).unsqueeze(-1)
-    return torch.cat(ys, dim=2).to(v.dtype)
+    return torch.cat(ys, dim=2).to(v.dtype) if ys else v.clone()  # T = 0: no chunks
 
 
 def sliding_window_attention(q, k, v, window, chunk=64):
@@ -295,7 +297,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
-        self.n_head, self.head_dim, self.causal = n_head, d_model // n_head, causal
+        self.d_model, self.n_head, self.head_dim, self.causal = d_model, n_head, d_model // n_head, causal
         self.qk_dim, self.attn_dropout = qk_dim or self.head_dim, attn_dropout
         self.q, self.k = (nn.Linear(d_model, n_head * self.qk_dim, bias=bias) for _ in range(2))
         self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(2))
@@ -329,6 +331,8 @@ class MultiHeadAttention(nn.Module):
 
     def heads(self, x):
         """x (B, T, C) -> q, k (B, H, T, qk_dim) and v (B, H, T, D)."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:  # else a matmul error deep inside
+            raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         split = lambda y: y.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
         return split(self.q(x)), split(self.k(x)), split(self.v(x))
 

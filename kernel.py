@@ -809,6 +809,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
         else:
             why = f"tensors are on {qf.device.type}; Triton needs CUDA, or TRITON_INTERPRET=1 set before import for CPU"
         raise RuntimeError(f"backend='triton' cannot run here: {why}. Use backend='torch'.")
+    if 0 in qf.shape[:3]:  # no batch, heads or tokens: nothing to attend (the kernels' shapes would not divide)
+        return v.clone()
     squares = squares or (None,) * 5
     if backend == "triton":
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qf, kf, v, *squares)):

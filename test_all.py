@@ -239,7 +239,8 @@ def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no
 
 
 def test_the_public_forms_refuse_shapes_that_do_not_fit():
-    """k of another head count would broadcast, v of another length fail inside a matmul: one ValueError each."""
+    """k of another head count would broadcast, v of another length fail inside a matmul, and so would the
+    module's input of the wrong width: one ValueError each."""
     q, k, v = qkv(T=8)
     for form, names in [(lambda q, k, v: softmax_attention(q, k, v), "q, k"),
                         (lambda q, k, v: linear_attention(q.exp(), k.exp(), v, causal=False), "qf, kf"),
@@ -250,6 +251,32 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
         for bad in [(q, k[:, :1], v), (q, k, v[:, :, :5]), (q[0], k[0], v[0])]:
             with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, \\.\\) alike"):
                 form(*bad)
+    mha = MultiHeadAttention(16, 2, attention="hedgehog")
+    for bad in (torch.randn(2, 8, 12), torch.randn(8, 16)):  # the wrong width; no batch dimension
+        with pytest.raises(ValueError, match="expected x of shape \\(B, T, 16\\), got"):
+            mha(bad)
+    with pytest.raises(ValueError, match="expected x of shape \\(B, T, 16\\), got \\(2, 1, 12\\)"):
+        mha.step(torch.randn(2, 12))
+
+
+@pytest.mark.parametrize("B,T", [(0, 8), (2, 0)])
+def test_every_form_takes_no_sequences_or_no_tokens(B, T):
+    """An empty batch, or sequences of no tokens: every form returns the empty output, as softmax does, and
+    the module its gradient (the chunked forms had no chunk to concatenate, the kernels' shapes did not divide)."""
+    q, k, v = (x[:B, :, :T] for x in qkv(T=8))
+    qf, kf = q.exp(), k.exp()
+    forms = [softmax_attention(q, k, v), linear_attention_quadratic(qf, kf, v), linear_attention_cumsum(qf, kf, v),
+             linear_attention_chunked(qf, kf, v, chunk=4), linear_attention(qf, kf, v, backend="torch"),
+             hybrid_attention_quadratic(q, k, qf, kf, v, 2, 0.5), hybrid_attention(q, k, qf, kf, v, 2, 0.5, chunk=4),
+             sliding_window_attention(q, k, v, 2)]
+    if HAS_TRITON:
+        forms.append(linear_attention(qf.float().to(DEV), kf.float().to(DEV), v.float().to(DEV), backend="triton"))
+    assert all(y.shape == v.shape for y in forms)
+    for name in ["softmax", "swa", "lolcats", "hedgehog", "taylor"]:
+        x = torch.randn(B, T, 16, requires_grad=True)
+        y = MultiHeadAttention(16, 2, attention=name)(x)
+        y.sum().backward()
+        assert y.shape == x.shape and x.grad.shape == x.shape
 
 
 def test_the_window_max_sets_the_balance_of_the_two_parts():
