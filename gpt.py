@@ -123,6 +123,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets=None):
+        if idx.dim() != 2 or idx.shape[1] > self.block_size:  # else an index error inside the position embedding
+            raise ValueError(f"expected token ids (B, T) with T <= block_size = {self.block_size}, got {tuple(idx.shape)}")
         T = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
         for block in self.blocks:

@@ -240,7 +240,7 @@ def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no
 
 def test_the_public_forms_refuse_shapes_that_do_not_fit():
     """k of another head count would broadcast, v of another length fail inside a matmul, and so would the
-    module's input of the wrong width: one ValueError each."""
+    module's input of the wrong width, and the GPT's of too many tokens: one ValueError each."""
     q, k, v = qkv(T=8)
     for form, names in [(lambda q, k, v: softmax_attention(q, k, v), "q, k"),
                         (lambda q, k, v: linear_attention(q.exp(), k.exp(), v, causal=False), "qf, kf"),
@@ -257,6 +257,10 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
             mha(bad)
     with pytest.raises(ValueError, match="expected x of shape \\(B, T, 16\\), got \\(2, 1, 12\\)"):
         mha.step(torch.randn(2, 12))
+    gpt = tiny_gpt()  # block_size 24: learned positions end there
+    for bad in (torch.zeros(2, 25, dtype=torch.long), torch.zeros(24, dtype=torch.long)):
+        with pytest.raises(ValueError, match="expected token ids \\(B, T\\) with T <= block_size = 24, got"):
+            gpt(bad)
 
 
 @pytest.mark.parametrize("B,T", [(0, 8), (2, 0)])
