@@ -395,7 +395,6 @@ def test_every_attention_trains_in_the_ar_model(name, torch_path):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
-
 def test_train_ar_divergence_is_recorded_and_fails(tmp_path):
     err = run_script("train_ar.py", "--attentions=softmax", "--num_train=64", "--num_test=8", "--seq_len=16", "--epochs=1",
                      "--lr=1e9", "--workers=1", "--plots=false", f"--out_dir={tmp_path}", ok=False)

@@ -75,7 +75,6 @@ def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
     assert model.generate(idx[:, :3], 5).shape == (4, 8)
 
 
-
 def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
     """After add_lora the model computes exactly what it did; a training step then moves the adapters
     (and the feature maps) and nothing else."""
