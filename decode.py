@@ -13,7 +13,8 @@ depend on T at all. The window-only baseline (swa) keeps the last w keys and val
 Part 1, one attention layer (12 heads, head dim 64, d_model 768; Hedgehog's F = 128): the time of
 MultiHeadAttention.step for one new token given a context of T tokens already in the cache or state, and
 the bytes of that cache or state. Part 2, the GPT of train_gpt.py (out/<attention>/ckpt.pt, skipped
-for an attention without one): ms per generated token over its whole context (128 tokens by default). Saves results/decode.json and results/decode.png.
+for an attention without one): ms per generated token over its whole context (128 tokens by default).
+Saves results/decode.json and results/decode.png.
 """
 import json
 import os

@@ -80,8 +80,8 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
 
     Group an OAL map first (fmap.set_groups_from on the same q, k: OAL App. B). val = (q, k, v) of held-out
     windows: the loss there is checked every eval_every steps and the best parameters are kept (OAL selects
-    its factors by validation output MSE). A non-finite loss stops the program with one line. window > 0: fmap is the linear part of LoLCATs' hybrid, and
-    gate_logit, its (H,) gate before the sigmoid, trains with it.
+    its factors by validation output MSE). A non-finite loss stops the program with one line. window > 0:
+    fmap is the linear part of LoLCATs' hybrid, and gate_logit, its (H,) gate before the sigmoid, trains with it.
     """
     params = [p for p in fmap.parameters() if p.requires_grad] + ([] if gate_logit is None else [gate_logit])
     gate = (lambda: 1.0) if gate_logit is None else gate_logit.sigmoid
