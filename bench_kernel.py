@@ -220,7 +220,7 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"saved {out}")
-    plot(rows, out.replace(".json", ".png"))
+    plot(rows, os.path.splitext(out)[0] + ".png")
 
 
 # map family -> (F at head dim D, SQ): the polynomial families run with their closed form (squares) in-tile
@@ -319,7 +319,7 @@ def device_report(cfg):
         print(f"{name}: crossover at {entry.get('crossover_T')} tokens (CUDA graphs: {entry.get('graph_crossover_T')}), "
               f"{entry['speedup_at_longest']:.1f}x FlashAttention at {entry['longest_T']}")
     print(f"saved {out}")
-    plot_report(rows, out.replace(".json", ".png"))
+    plot_report(rows, os.path.splitext(out)[0] + ".png")
     return rows
 
 

@@ -153,7 +153,7 @@ def main(cfg):
     with open(cfg["out"], "w") as f:
         json.dump({"records": records, "summary": summary, "config": cfg, "torch": torch.__version__}, f, indent=1)
     print(f"saved {cfg['out']}")
-    plot(records, names, cfg["out"].replace(".json", ".png"))
+    plot(records, names, os.path.splitext(cfg["out"])[0] + ".png")
 
 
 def plot(records, names, path):

@@ -116,7 +116,7 @@ def main(cfg):
         json.dump({"config": cfg, "rows": rows, "summary": summary, "seconds": time.time() - t0,
                    "torch": torch.__version__}, f, indent=1)
     print(f"saved {cfg['out']} ({time.time() - t0:.0f} s)")
-    plot(summary, cfg["out"].replace(".json", ".png"))
+    plot(summary, os.path.splitext(cfg["out"])[0] + ".png")
 
 
 def report(rows, D):
