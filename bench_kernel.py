@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
-from configurator import at_least, choices, configure, integers, positive, pyplot, sizes, writable
+from configurator import at_least, choices, configure, integers, one_of, positive, pyplot, sizes, writable
 from feature_maps import make_feature_map
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
@@ -474,7 +474,7 @@ if __name__ == "__main__":
     writable(cfg, "out")
     if cfg["report_out"]:  # else named after the GPU, in results/
         writable(cfg, "report_out")
-    choices(cfg, "check", ("all", "timed"))
+    one_of(cfg, "check", ("all", "timed"))
     choices(cfg, "families", FAMILIES)  # every list is checked here, before any work, whichever mode uses it
     sizes(cfg, "shapes", 3)
     sizes(cfg, "closed_form_shapes", 4)

@@ -9,9 +9,9 @@ file is a Python file of `key = value` lines with literal values (numbers, strin
 without running it; its settings are checked the same way and apply in order with the flags.
 Unknown keys and values of the wrong type are rejected with a message listing what is valid.
 Floats must be finite. The scripts then check their values before any work, each with a one-line error:
-at_least() for sizes and counts, positive() for rates, writable() for where results go, choices() for
-comma-separated names from a fixed set, integers() for comma-separated integers, sizes() for
-comma-separated sizes like 1x12x64.
+at_least() for sizes and counts, positive() for rates, writable() for where results go, one_of() for
+one name from a fixed set, choices() for comma-separated names from one, integers() for
+comma-separated integers, sizes() for comma-separated sizes like 1x12x64 (no list may repeat a value).
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
 imports matplotlib only when it is there.
 """
@@ -120,13 +120,28 @@ def writable(cfg, *keys, folder=False):
             sys.exit(f"error: --{key}={path} cannot be written: {parent} is not writable")
 
 
+def one_of(cfg, key, valid):
+    """Setting `key`, which must be exactly one of the names `valid`."""
+    if cfg[key] not in valid:
+        sys.exit(f"error: --{key}={cfg[key]}: give one of {', '.join(valid)}")
+    return cfg[key]
+
+
 def choices(cfg, key, valid):
-    """The comma-separated names of setting `key` as a list; an unknown one is refused with the valid ones."""
+    """The comma-separated names of setting `key` as a list; an unknown or repeated one is refused."""
     got = [n for n in str(cfg[key]).split(",") if n]
     unknown = [n for n in got if n not in valid]
     if unknown or not got:
         sys.exit(f"error: --{key}: unknown {', '.join(unknown) or '(empty)'}; valid: {', '.join(valid)}")
+    repeated(key, got)
     return got
+
+
+def repeated(key, values):
+    """Refuse a list that names something twice (it would run, and be reported, twice)."""
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:
+        sys.exit(f"error: --{key} lists {', '.join(twice)} more than once")
 
 
 def integers(cfg, key, low=0):
@@ -137,6 +152,7 @@ def integers(cfg, key, low=0):
         sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers")
     if not values or min(values) < low:
         sys.exit(f"error: --{key}={cfg[key]!r} must list integers >= {low}")
+    repeated(key, values)
     return values
 
 
@@ -148,6 +164,7 @@ def sizes(cfg, key, n):
         values = []
     if not values or any(len(v) != n or min(v) < 1 for v in values):
         sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of sizes like {'x'.join('8' * n)}")
+    repeated(key, str(cfg[key]).split(","))
     return values
 
 
@@ -161,6 +178,7 @@ def layer_list(cfg, n_layers):
         ids = [-1]
     if not ids or min(ids) < 0 or max(ids) >= n_layers:
         sys.exit(f"error: --layers={cfg['layers']}: 'all' or indices of the model's layers 0..{n_layers - 1}")
+    repeated("layers", ids)
     return ids
 
 

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import distill
 from attention import attention_weights, entropy
-from configurator import at_least, choices, configure, integers, pick_device, positive, pyplot, writable
+from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, pyplot, writable
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -249,8 +249,8 @@ def convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, la
 
 def main(cfg):
     names = choices(cfg, "methods", ["softmax", *METHODS])
-    choices(cfg, "layers", ("all", "middle"))
-    choices(cfg, "finetune", ("lora", "full"))
+    one_of(cfg, "layers", ("all", "middle"))
+    one_of(cfg, "finetune", ("lora", "full"))
     at_least(cfg, 0, "distill_iters", "finetune_iters")
     at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
     positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from configurator import configure, pyplot, writable
+from configurator import configure, pyplot, repeated, writable
 
 # ---- config: plain values, override with --key=value ----
 runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
@@ -337,6 +337,7 @@ if __name__ == "__main__":
         paths += found
     if not paths:
         raise SystemExit("error: --runs: give one or more ar.json files, comma-separated")
+    repeated("runs", [os.path.abspath(p) for p in paths])
     cfg["out_dir"] = cfg["out_dir"] or os.path.dirname(paths[0]) or "."
     writable(cfg, "out_dir", folder=True)
     records = load(paths)

@@ -347,7 +347,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
 
 
 @pytest.mark.parametrize("script,args,message", [
-    ("train_gpt.py", ["--attention=foo"], "--attention: unknown foo; valid: softmax, swa, lolcats"),
+    ("train_gpt.py", ["--attention=foo"], "--attention=foo: give one of softmax, swa, lolcats"),
     ("train_gpt.py", ["--lr=-1"], "--lr=-1.0 is out of range"),
     ("train_gpt.py", ["--n_layer=0"], "--n_layer=0 is out of range"),
     ("train_gpt.py", ["--n_head=3"], "not divisible"),
@@ -396,6 +396,14 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("sweep_kernel.py", ["--out=" + HERE], "is a folder: it must name a file"),
     ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json"), "--out_dir=" + os.path.join(HERE, "README.md")],
      "README.md is a file, not a folder"),
+    # a list where one name is wanted, or a list that repeats itself: these ran, and did something else
+    ("train_ar.py", ["--format=pairs,h3"], "--format=pairs,h3: give one of pairs, h3"),
+    ("convert.py", ["--layers=all,middle"], "--layers=all,middle: give one of all, middle"),
+    ("train_ar.py", ["--attentions=elu,hedgehog,elu"], "--attentions lists elu more than once"),
+    ("train_ar.py", ["--seeds=0,1,0"], "--seeds lists 0 more than once"),
+    ("bench_kernel.py", ["--shapes=1x12x64,1x12x64"], "--shapes lists 1x12x64 more than once"),
+    ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json") + "," + os.path.join(HERE, "results", "*.json")],
+     "ar.json more than once"),
 ])
 def test_bad_names_and_values_are_refused_before_any_work(script, args, message, tmp_path):
     err = run_script(script, *args, cwd=tmp_path, ok=False)

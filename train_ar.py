@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ar import ARModel, answer_positions, evaluate, lookup_stats, make_data
-from configurator import at_least, choices, configure, integers, pick_device, positive, writable
+from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, writable
 from feature_maps import FEATURE_MAPS, make_feature_map
 from gpt import load_checkpoint, save_checkpoint
 from plot_ar import first_difference, report
@@ -290,8 +290,8 @@ def regroup_oal(model, x):
 
 def check(cfg):
     """Every setting in range for the task, before any work."""
-    choices(cfg, "format", ("pairs", "h3"))
-    choices(cfg, "early_stop", ("loss", "accuracy"))
+    one_of(cfg, "format", ("pairs", "h3"))
+    one_of(cfg, "early_stop", ("loss", "accuracy"))
     at_least(cfg, 1, "num_train", "num_test", "n_layer", "d_model", "n_head", "epochs", "batch_size", "eval_every")
     at_least(cfg, 0, "mlp_ratio", "dropout", "warmup", "patience", "max_minutes", "weight_decay", "workers")
     positive(cfg, "lr")
@@ -302,7 +302,7 @@ def check(cfg):
         raise SystemExit(f"error: --d_model={cfg['d_model']} is not divisible by --n_head={cfg['n_head']}")
     if not 0 <= cfg["dropout"] < 1 or cfg["warmup"] >= 1:
         raise SystemExit("error: --dropout and --warmup are fractions below 1")
-    choices(cfg, "init_from", ("scratch", "resume"))
+    one_of(cfg, "init_from", ("scratch", "resume"))
     if cfg["init_from"] == "resume" and not cfg["save_models"]:
         raise SystemExit("error: --init_from=resume needs --save_models=true (it writes what a run carries on from)")
 

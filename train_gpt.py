@@ -31,7 +31,7 @@ import time
 import torch
 
 from attention import ATTENTIONS
-from configurator import at_least, choices, configure, pick_device, positive, writable
+from configurator import at_least, configure, one_of, pick_device, positive, writable
 from gpt import GPT, evaluate, get_batch, load_checkpoint, prepare, save_checkpoint
 
 # ---- config: plain values, override with --key=value ----
@@ -77,8 +77,8 @@ def lr_at(it, cfg):
 
 def main(cfg):
     cfg = dict(cfg, out_dir=cfg["out_dir"] or os.path.join("out", cfg["attention"]))
-    choices(cfg, "init_from", ("scratch", "resume"))
-    choices(cfg, "attention", ATTENTIONS)
+    one_of(cfg, "init_from", ("scratch", "resume"))
+    one_of(cfg, "attention", ATTENTIONS)
     at_least(cfg, 1, "n_layer", "n_head", "d_model", "block_size", "batch_size", "eval_interval", "eval_iters")
     at_least(cfg, 0, "max_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "weight_decay", "min_lr")
     positive(cfg, "lr")
