@@ -88,6 +88,9 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim, num_heads=1):
         super().__init__()
+        for key, n in (("head_dim", head_dim), ("num_heads", num_heads)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{type(self).__name__}: {key} must be a positive integer, got {n!r}")
         self.head_dim, self.num_heads = head_dim, num_heads
 
     def __call__(self, q, k, offset=0):
@@ -169,6 +172,8 @@ class Exp(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, t=1.0, normalize=False):
         super().__init__(head_dim, num_heads)
+        if not math.isfinite(t):
+            raise ValueError(f"exp: t must be a finite number, got {t}")
         self.t, self.normalize = t, normalize
 
     def forward(self, q, k, offset=0):
@@ -203,7 +208,9 @@ class Performer(FeatureMap):
     def __init__(self, head_dim, num_heads=1, num_features=None):
         super().__init__(head_dim, num_heads)
         self.D, self.H = head_dim, num_heads
-        self.m = num_features or round(head_dim * math.log(head_dim))
+        if num_features is not None and (not isinstance(num_features, int) or num_features < 1):
+            raise ValueError(f"performer: num_features must be a positive integer, got {num_features!r}")
+        self.m = num_features or max(1, round(head_dim * math.log(head_dim)))
         self.register_buffer("W", self.draw())
 
     def draw(self, generator=None):
@@ -236,6 +243,8 @@ class CosFormer(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, max_len=None):
         super().__init__(head_dim, num_heads)
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"cosformer: max_len must be a positive integer or None, got {max_len!r}")
         self.max_len = max_len
 
     def forward(self, q, k, offset=0):
@@ -402,8 +411,10 @@ class OAL(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
         super().__init__(head_dim, num_heads)
-        if max_groups < 1:
-            raise ValueError(f"oal: max_groups must be at least 1, got {max_groups}")
+        if not isinstance(max_groups, int) or max_groups < 1:
+            raise ValueError(f"oal: max_groups must be an integer of at least 1, got {max_groups!r}")
+        if not eps > 0 or not math.isfinite(eps):
+            raise ValueError(f"oal: eps must be a finite positive number, got {eps}")
         self.D, self.G, self.eps = head_dim, max_groups, eps
         L = torch.zeros(num_heads, max_groups + 1, max_groups + 1)
         L[:, 0, 0] = 1.0

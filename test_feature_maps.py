@@ -57,11 +57,23 @@ def test_a_map_refuses_q_k_of_another_size(name):
     assert fm.make_feature_map(name, 8, 1).double()(q, k)[0].shape[:3] == q.shape[:3]  # one head's map serves all
 
 
-def test_unknown_feature_map_lists_valid_names():
+def test_unknown_names_and_options_are_refused():
+    """An unknown name lists the valid ones; a size or an option that cannot work is one ValueError at
+    construction (D = 0 and t = nan built maps that gave empty or NaN features, Performer at D = 1 no features)."""
     with pytest.raises(ValueError, match="hedgehog.*oal|oal.*hedgehog"):
         fm.make_feature_map("softmaxx", 8)
-    with pytest.raises(ValueError, match="oal: max_groups must be at least 1, got 0"):
-        fm.make_feature_map("oal", 8, max_groups=0)
+    for name in NAMES:
+        for D, H in [(0, 1), (8, 0), (2.5, 1), (True, 1)]:
+            with pytest.raises(ValueError, match="must be a positive integer"):
+                fm.make_feature_map(name, D, H)
+        assert fm.make_feature_map(name, 1)(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))[0].shape[-1] >= 1
+    for name, options, match in [("oal", dict(max_groups=0), "oal: max_groups must be an integer of at least 1, got 0"),
+                                 ("oal", dict(eps=0.0), "oal: eps must be a finite positive number"),
+                                 ("exp", dict(t=float("nan")), "exp: t must be a finite number, got nan"),
+                                 ("performer", dict(num_features=0), "performer: num_features must be a positive"),
+                                 ("cosformer", dict(max_len=0), "cosformer: max_len must be a positive integer")]:
+        with pytest.raises(ValueError, match=match):
+            fm.make_feature_map(name, 8, **options)
 
 
 def test_taylor_is_exact_second_order():
