@@ -362,6 +362,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("decode.py", ["--attentions=foo"], "--attentions: unknown foo"),
     ("decode.py", ["--heads=0"], "--heads=0 is out of range"),
     ("decode.py", ["--threads=0"], "--threads=0 is out of range"),
+    ("decode.py", ["--contexts=128,100000000000"], "softmax's KV cache at 100000000000 tokens needs"),  # was an OOM
     ("train_gpt.py", ["--min_lr=-1"], "--min_lr=-1.0 is out of range"),
     ("bench_kernel.py", ["--lengths=1k"], "not a comma-separated list of integers"),
     ("bench_kernel.py", ["--report=true", "--families=hedgehog,foo"], "--families: unknown foo; valid: hedgehog"),
