@@ -267,7 +267,8 @@ def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
         S = S + feats[:, :, :1].transpose(-1, -2) @ values[:, :, :1]
         z = z + feats[:, :, :1].transpose(-1, -2)
         keys, values, feats = keys[:, :, 1:], values[:, :, 1:], feats[:, :, 1:]
-    a = _gate(gate, q, window) * _window_scores(q, keys, torch.ones(1, keys.shape[2], dtype=torch.bool, device=q.device))  # (B, H, 1, n)
+    visible = torch.ones(1, keys.shape[2], dtype=torch.bool, device=q.device)
+    a = _gate(gate, q, window) * _window_scores(q, keys, visible)  # (B, H, 1, n)
     y = (a @ values + qf @ S) / (a.sum(-1, keepdim=True) + qf @ z)  # (B, H, 1, Dv)
     return y[:, :, 0].to(v_t.dtype), {"k": keys, "v": values, "kf": feats, "S": S, "z": z}
 

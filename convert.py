@@ -134,7 +134,8 @@ def distill_model(model, teacher, loss, layer_ids, train_ids, val_ids, cfg, dev)
 
     def total_loss(qkv):  # summed over the converted layers
         attns = {i: model.blocks[i].attn for i in qkv}
-        return sum(distill.distill_loss(attns[i].fmap, q, k, v, loss, True, attns[i].window, attns[i].g()) for i, (q, k, v) in qkv.items())
+        return sum(distill.distill_loss(attns[i].fmap, q, k, v, loss, True, attns[i].window, attns[i].g())
+                   for i, (q, k, v) in qkv.items())
 
     val = teacher_qkv(val_ids, torch.Generator().manual_seed(1))
     best, best_state = float("inf"), None

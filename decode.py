@@ -84,7 +84,8 @@ def sync(dev):
 def time_layer(name, T, cfg, dev):
     """Median seconds of one decoding step at context T, and the cache bytes."""
     torch.manual_seed(0)
-    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], name, max_len=T + cfg["tokens"] + 1, window=cfg["window"]).to(dev)
+    mha = MultiHeadAttention(cfg["heads"] * cfg["head_dim"], cfg["heads"], name, max_len=T + cfg["tokens"] + 1,
+                             window=cfg["window"]).to(dev)
     cache = cache_of_length(mha, T, dev)
     x = torch.randn(1, cfg["heads"] * cfg["head_dim"], device=dev)
     times = []
@@ -161,7 +162,8 @@ def main(cfg):
             print(f"{name:<10} skipped: no out/{name}/ckpt.pt (python train_gpt.py --attention={name} writes it)")
             continue
         sec, source, n = timed
-        records.append({"part": "gpt", "attention": name, "context": n, "ms_per_token": sec * 1e3, "model": source, "device": where})
+        records.append({"part": "gpt", "attention": name, "context": n, "ms_per_token": sec * 1e3, "model": source,
+                        "device": where})
         print(f"{name:<10} {sec * 1e3:.3f} ms per token over {n} tokens ({source})")
     os.makedirs(os.path.dirname(cfg["out"]) or ".", exist_ok=True)
     with open(cfg["out"], "w") as f:

@@ -109,7 +109,8 @@ class GPT(nn.Module):
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, bias=bias, max_len=block_size, **fmap_options) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, bias=bias, max_len=block_size, **fmap_options)
+                                    for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as GPT-2

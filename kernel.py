@@ -308,8 +308,10 @@ if HAS_TRITON:
                 if i_v == 0:
                     tl.store(z_ptr + (bh * N + n) * F + rk, acc_z, mask=rk < f)
             t = n * C + tl.arange(0, C)
-            k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :], mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :], mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + bh * T * F + t[:, None] * F + rk[None, :],
+                        mask=(t[:, None] < T) & (rk[None, :] < F), other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + bh * T * DV + t[:, None] * DV + rv[None, :],
+                        mask=(t[:, None] < T) & (rv[None, :] < DV), other=0.0).to(tl.float32)
             acc += _dot(tl.trans(k), v, BF16)  # (BK, BV)
             if i_v == 0:
                 w = tl.load(w_ptr + bh * T + t, mask=t < T, other=0.0).to(tl.float32)

@@ -103,7 +103,8 @@ def main(cfg):
             max_groups = D if kind == "per dimension" else max(budgets + [5])
             key = (groups.numpy().tobytes(), max_groups)
             if key not in fitted:
-                fitted[key] = distill.output_rel_mse(attn, calibrate(groups, max_groups, attn, calib_qkv[i], val_qkv[i], cfg), *test_qkv[i])
+                fmap = calibrate(groups, max_groups, attn, calib_qkv[i], val_qkv[i], cfg)
+                fitted[key] = distill.output_rel_mse(attn, fmap, *test_qkv[i])
             per_head, after_o = fitted[key]
             n_groups = [int(g.max()) + 1 for g in groups]
             rows.append({"layer": i, "kind": kind, "G": G, "groups_per_head": n_groups, "rel_mse_heads": per_head,
@@ -146,7 +147,8 @@ def plot(summary, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in zip(axes, ("rel_mse", "skewed_head"), ("mean over all heads", "most skewed head")):
         for kind, style in (("contribution", "o-"), ("random", "s--")):
-            rs = [r for r in summary["results"] if r["kind"] in (kind, "contribution") and r["G"] <= 5 and (r["kind"] == kind or r["G"] == 1)]
+            rs = [r for r in summary["results"]  # this kind's groups, and G = 1 (which is the same for every kind)
+                  if r["G"] <= 5 and (r["kind"] == kind or (r["kind"] == "contribution" and r["G"] == 1))]
             ax.plot([r["G"] for r in rs], [r[key] for r in rs], style, label=f"{kind} groups")
         for r in summary["results"]:
             if r["kind"] == "per dimension":

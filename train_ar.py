@@ -256,7 +256,8 @@ def train_one(attention, features, seed, data, cfg, dev):
             "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),
             "retrieval_layer": layer, "retrieval_head": head,
             "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(), "prev_mass_per_head": prev.tolist(),
-            "query_row": rows[layer, head, 0].tolist(), "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
+            "query_row": rows[layer, head, 0].tolist(),
+            "answer_positions": answer_positions(x_test[:1])[0].nonzero()[:, 0].tolist(),
             "params": sum(p.numel() for p in model.parameters()), "epochs": epoch, "steps": step, **log,
             "steps_to_50": steps_to(log["curve"], 0.5), "steps_to_90": steps_to(log["curve"], 0.9), "seconds": seconds}
 

@@ -175,7 +175,8 @@ def main(cfg):
     text = enc.decode(vocab[raw.generate(prompt, cfg["sample_tokens"])[0].cpu()].tolist())
     print(f"sample ({cfg['attention']}, recurrent decoding):\n{text}\n")
     record = {"attention": cfg["attention"], "val_loss": val, "val_ppl": perplexity(val), "best_val_loss": best,
-              "iters": cfg["max_iters"], "resumed_from": start, "seconds": seconds, "tokenizer": cfg["tokenizer"], "encoding": enc.name,
+              "iters": cfg["max_iters"], "resumed_from": start, "seconds": seconds, "tokenizer": cfg["tokenizer"],
+              "encoding": enc.name,
               "vocab_size": len(vocab), "params": sum(p.numel() for p in raw.parameters()), "data": cfg["data"],
               "device": dev, "processes": world, "torch": torch.__version__, "config": cfg}
     os.makedirs(os.path.dirname(cfg["results"]) or ".", exist_ok=True)
