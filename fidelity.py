@@ -147,6 +147,7 @@ def main(cfg):
     repeated("convert_maps", convert_names)
     if set(convert_names) - set(names):
         raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
+    text = load_text(cfg["text"], "text")
     model, encode, special = pretrained.load(cfg["model"])
     model.requires_grad_(False)
     L, causal = len(model.blocks), model.blocks[0].attn.causal
@@ -154,7 +155,6 @@ def main(cfg):
     pretrained.check_length(model, cfg["seq_len"])
     lengths = [T for T in lengths if T <= model.block_size]
 
-    text = load_text(cfg["text"])
     cut = int(0.8 * len(text))
     gen = torch.Generator().manual_seed(cfg["seed"])
     train_ids, test_tok = torch.tensor(encode(text[:cut])), torch.tensor(encode(text[cut:]))

