@@ -296,8 +296,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model, n_head, attention="softmax", causal=True, bias=False, qk_dim=None,
                  max_len=None, attn_dropout=0.0, window=64, **fmap_options):
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        if min(d_model, n_head) < 1 or d_model % n_head:
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (both must be at least 1)")
         self.d_model, self.n_head, self.head_dim, self.causal = d_model, n_head, d_model // n_head, causal
         self.qk_dim, self.attn_dropout = qk_dim or self.head_dim, attn_dropout
         self.q, self.k = (nn.Linear(d_model, n_head * self.qk_dim, bias=bias) for _ in range(2))

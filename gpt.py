@@ -110,6 +110,8 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, attention="softmax", bias=False, **fmap_options):
         super().__init__()
+        if min(vocab_size, block_size, n_layer) < 1:
+            raise ValueError(f"vocab_size={vocab_size}, block_size={block_size} and n_layer={n_layer} must be at least 1")
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)

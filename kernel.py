@@ -777,6 +777,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
         raise ValueError(f"expected floating-point qf, kf, v; got {qf.dtype}, {kf.dtype}, {v.dtype}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not 0 <= eps < math.inf:  # a negative eps can zero the denominator of a row that a ReLU map leaves empty
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     F_, Dv = qf.shape[-1], v.shape[-1]
     D = SQ = 0
     if squares is not None:

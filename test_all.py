@@ -257,6 +257,9 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
     for bad in (torch.zeros(2, 25, dtype=torch.long), torch.zeros(24, dtype=torch.long)):  # tiny_gpt: block_size 24
         with pytest.raises(ValueError, match="expected token ids \\(B, T\\) with T <= block_size = 24, got"):
             tiny_gpt()(bad)
+    for build in (lambda: MultiHeadAttention(16, 0), lambda: GPT(0, 24, 2, 2, 16)):  # a modulo by 0; a GPT of no ids
+        with pytest.raises(ValueError, match="must be at least 1"):
+            build()
 
 
 @pytest.mark.parametrize("B,T", [(0, 8), (2, 0)])

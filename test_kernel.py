@@ -380,6 +380,9 @@ def test_kernel_rejects_bad_input():
         kernel.causal_linear_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="floating-point qf, kf, v; got torch.float64, torch.float64, torch.int64"):
         kernel.causal_linear_attention(q, k, v.long())
+    for eps in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            kernel.causal_linear_attention(q, k, v, eps=eps)
     qs, ks, lam, c, base = make_map("taylor").squares(q, k)
     with pytest.raises(ValueError, match="squares"):
         kernel.causal_linear_attention(q, k, v, squares=(qs, ks, lam[:1], c, base))
