@@ -81,7 +81,8 @@ def set_value(config, key, value, where):
         if isinstance(new, float) and not math.isfinite(new):  # nan passes every range check, inf most
             raise ValueError
     except ValueError:
-        sys.exit(f"error: {where} expects a {'finite float' if isinstance(old, float) else type(old).__name__}, got {value!r}")
+        kind = {bool: "a boolean (true or false)", int: "an integer", float: "a finite float"}.get(type(old), "a string")
+        sys.exit(f"error: {where} expects {kind}, got {value!r}")
     config[key] = new
 
 

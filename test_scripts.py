@@ -385,6 +385,8 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("probe_ar.py", ["--model=nope.pt", "--num=1"], "--num=1 is out of range"),
     ("train_ar.py", ["--weight_decay=nan"], "--weight_decay expects a finite float, got 'nan'"),  # nan passed at_least
     ("train_gpt.py", ["--lr=inf"], "--lr expects a finite float, got 'inf'"),
+    ("train_ar.py", ["--epochs=1e3"], "--epochs expects an integer, got '1e3'"),
+    ("train_ar.py", ["--plots=yes"], "--plots expects a boolean (true or false), got 'yes'"),
     ("bench_kernel.py", ["--bandwidth_tbs=0"], "--bandwidth_tbs=0.0 is out of range"),
     ("train_ar.py", ["--out_dir="], "--out_dir is empty: it must name where the results go"),
     ("decode.py", ["--out="], "--out is empty"),
