@@ -456,7 +456,7 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     json.dump(parted, open(tmp_path / "parted.json", "w"))
     json.dump({"rows": []}, open(tmp_path / "kernel.json", "w"))
     for runs, message in ([("seed0", "other"), "trained with different settings: lr=0.003 against lr=1.0"],
-                          [("seed0", "seed0"), "softmax F=64 seed 0 is in both"],
+                          [("seed0", "seed0"), "seed0.json more than once"],
                           [("seed1_cut", "parted"), "softmax F=64 seed 1 is in both"],
                           [("kernel",), "is not an ar.json of train_ar.py"],
                           [("missing",), "cannot read"],
