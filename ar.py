@@ -33,6 +33,8 @@ def make_ar_data(n, seq_len=128, vocab_size=40, seed=0):
 
     Chance is 1/20, a loss of ln 20 = 3.0.
     """
+    if seq_len < 3 or vocab_size < 2:  # one pair and the query; a key and a value
+        raise ValueError(f"pairs format: seq_len must be at least 3 and vocab_size 2, got {seq_len} and {vocab_size}")
     g = torch.Generator().manual_seed(seed)
     n_keys, pairs = vocab_size // 2, (seq_len - 1) // 2
     keys = torch.randint(0, n_keys, (n, pairs), generator=g)  # (n, P)
@@ -61,6 +63,8 @@ def make_h3_data(n, seq_len=128, vocab_size=40, seed=0, train=True):
         train   27   h 31   c 27   q  ...  25  =>   h  31
         test     .   .  .   .  .   .  ...   .   .   .  31
     """
+    if seq_len < 2 or vocab_size < 4:  # one pair; a key, a value and the two special tokens
+        raise ValueError(f"h3 format: seq_len must be at least 2 and vocab_size 4, got {seq_len} and {vocab_size}")
     g = torch.Generator().manual_seed(seed)
     n_keys, pairs = (vocab_size - 2) // 2, seq_len // 2
     copy_prefix = vocab_size - 2

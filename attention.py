@@ -324,6 +324,8 @@ class MultiHeadAttention(nn.Module):
             self.fmap = make_feature_map(attention, self.qk_dim, self.n_head, **fmap_options).to(device)
         self.gate = None
         if self.attention == "lolcats":  # w_h with sigmoid(w_h) = gate
+            if not 0 < gate < 1:
+                raise ValueError(f"lolcats: the gate must start strictly between 0 and 1, got {gate}")
             self.gate = nn.Parameter(torch.full((self.n_head,), math.log(gate / (1 - gate)), device=device))
 
     def g(self):

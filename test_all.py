@@ -237,7 +237,8 @@ def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no
 
 def test_the_public_forms_refuse_shapes_that_do_not_fit():
     """k of another head count would broadcast, v of another length fail inside a matmul, and so would the
-    module's input of the wrong width, and the GPT's of too many tokens: one ValueError each."""
+    module's input of the wrong width, and the GPT's of too many tokens; sizes and a gate that cannot work
+    failed in torch or later: one ValueError each."""
     q, k, v = qkv(T=8)
     for form, names in [(lambda q, k, v: softmax_attention(q, k, v), "q, k"),
                         (lambda q, k, v: linear_attention(q.exp(), k.exp(), v, causal=False), "qf, kf"),
@@ -257,8 +258,12 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
     for bad in (torch.zeros(2, 25, dtype=torch.long), torch.zeros(24, dtype=torch.long)):  # tiny_gpt: block_size 24
         with pytest.raises(ValueError, match="expected token ids \\(B, T\\) with T <= block_size = 24, got"):
             tiny_gpt()(bad)
-    for build in (lambda: MultiHeadAttention(16, 0), lambda: GPT(0, 24, 2, 2, 16)):  # a modulo by 0; a GPT of no ids
-        with pytest.raises(ValueError, match="must be at least 1"):
+    for build, match in [(lambda: MultiHeadAttention(16, 0), "must be at least 1"),  # a modulo by 0
+                         (lambda: GPT(0, 24, 2, 2, 16), "must be at least 1"),  # a GPT of no ids
+                         (lambda: MultiHeadAttention(16, 2).use("lolcats", gate=1.0), "strictly between 0 and 1"),
+                         (lambda: ar.make_ar_data(4, seq_len=2), "seq_len must be at least 3"),  # torch's random_ error
+                         (lambda: ar.make_h3_data(4, vocab_size=3), "vocab_size 4")]:
+        with pytest.raises(ValueError, match=match):
             build()
 
 
