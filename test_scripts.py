@@ -339,6 +339,17 @@ def test_decode_benchmark_smoke(tmp_path):
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
 
 
+def test_the_readme_python_example_runs_as_written(tmp_path):
+    """README's "In your own code", run as written from another folder: distillation more than halves the
+    KL to softmax's weights, and the layer's step-by-step decoding gives its whole-sequence output."""
+    code = open(os.path.join(HERE, "README.md")).read().split("```python\n")[1].split("```")[0]
+    out = run_script("-c", code, cwd=tmp_path)
+    before, after = map(float, re.search(r"KL to softmax's weights: (\S+) before distillation, (\S+) after", out).groups())
+    assert after < before / 2
+    assert float(re.search(r"output RelMSE against softmax: (\S+)", out).group(1)) < 0.2
+    assert float(re.search(r"step by step: (\S+)", out).group(1)) < 1e-5
+
+
 # ----------------------------------------------------------------------------------------------
 # when something goes wrong: one line, exit status 1, nothing good overwritten
 
