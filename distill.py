@@ -20,10 +20,11 @@ Fidelity, distill.mimicry (Hedgehog Sec. 3.1, 5.1, Table 4; OAL Sec. 5.1, App. C
 
 Public interface (q, k, v: (B, H, T, D) frozen tensors; fmap: a feature_maps module with H heads):
     layer_qkv(model, ids, layer_ids) -> {layer: (q, k, v)}: what each chosen layer's attention sees
+    distill_loss(fmap, q, k, v=None, loss="xent", causal=True) -> the loss above, a scalar tensor
     distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, val=None) -> list of losses
     mimicry(q, k, v, fmap, causal=True, monotonicity=True) -> dict of floats
-The last three also take window=w (with a gate): fmap is then the linear part of LoLCATs' hybrid.
     output_rel_mse(attn, fmap, q, k, v) -> (RelMSE per head, RelMSE after attn's output projection)
+All but layer_qkv also take window=w (with a gate): fmap is then the linear part of LoLCATs' hybrid.
 """
 import torch
 
