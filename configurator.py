@@ -11,7 +11,8 @@ Unknown keys and values of the wrong type are rejected with a message listing wh
 Floats must be finite. The scripts then check their values before any work, each with a one-line error:
 at_least() for sizes and counts, positive() for rates, writable() for where results go, one_of() for
 one name from a fixed set, choices() for comma-separated names from one, integers() for
-comma-separated integers, sizes() for comma-separated sizes like 1x12x64 (no list may repeat a value).
+comma-separated integers, sizes() for comma-separated sizes like 1x12x64, layer_list() for layer indices
+(no list may repeat a value; repeated() checks a list a script builds itself).
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
 imports matplotlib only when it is there.
 """
