@@ -1,7 +1,7 @@
 """
 The scripts as a user runs them: the kernel benchmarks, the GPT and its conversion, tokenizer,
 checkpoints, resume, decoding, one-line refusals of bad input (associative recall: test_ar.py), and
-the links of the README and docs/results.md.
+the links of the README and docs/results.md, and the settings their commands use.
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -492,3 +492,26 @@ def test_every_link_in_the_docs_resolves(doc):
         assert os.path.exists(target), f"{doc}: {link} names no file"
         headings = re.findall(r"^#+ (.*)$", open(target).read(), re.M) if name else []
         assert not name or name in map(anchor, headings), f"{doc}: {link} names no heading"
+
+
+def script_settings(script):
+    """The settings a script takes: its config block, or the dict its __main__ hands to configure()."""
+    for node in ast.walk(ast.parse(open(os.path.join(HERE, script)).read())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "configure" and isinstance(node.args[0], ast.Dict):
+            return {key.value for key in node.args[0].keys}
+    return set(importlib.import_module(script[:-3]).config)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_every_command_in_the_docs_names_real_settings(doc):
+    """Each `python script.py --key=value ...` the docs show (wrapped over lines or not) names a script here,
+    settings it has and config files that exist, so renaming a setting cannot leave a command that fails."""
+    text = " ".join(open(os.path.join(HERE, doc)).read().split())
+    commands = re.findall(r"python (\w+\.py)((?: (?:--\w+=[^\s`]*|config/[\w.]+))*)", text)
+    assert len(commands) > 20
+    for script, args in commands:
+        assert os.path.exists(os.path.join(HERE, script)), f"{doc}: no {script}"
+        unknown = set(re.findall(r"--(\w+)=", args)) - script_settings(script)
+        assert not unknown, f"{doc}: python {script}{args} has no setting {', '.join(sorted(unknown))}"
+        for path in re.findall(r"config/[\w.]+", args):
+            assert os.path.exists(os.path.join(HERE, path)), f"{doc}: no {path}"
