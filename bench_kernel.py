@@ -228,6 +228,16 @@ FAMILIES = {"hedgehog": (lambda D: 2 * D, 0), "elu": (lambda D: D, 0),
             "taylor": (lambda D: 1 + D + D * (D + 1) // 2, 2), "oal": (lambda D: 1 + D + D * (D + 1) // 2, 6)}
 
 
+# peak memory bandwidth in TB/s by GPU name (NVIDIA's data sheets), for the memory bound; the first match counts
+PEAK_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35),
+            ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555))
+
+
+def peak_bandwidth(cfg, gpu):
+    """TB/s for the memory bound: --bandwidth_tbs, else from the GPU's name; None (no bound) when neither says."""
+    return cfg["bandwidth_tbs"] or next((tbs for name, tbs in PEAK_TBS if name in gpu), None)
+
+
 def fla_linear_attention():
     """flash-linear-attention's chunk_linear_attn, or None when fla is not installed."""
     try:
@@ -257,14 +267,16 @@ def device_report(cfg):
     if dev == "cuda" and fla is None:
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
     ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
+    tbs = peak_bandwidth(cfg, gpu)
+    print(f"memory bound at {tbs} TB/s" if tbs else f"no memory bound: give --bandwidth_tbs (TB/s) for {gpu}")
 
     rows = []
 
     def save(row):  # after every row, so that a run stopped by a time limit keeps what it measured
         rows.append(row)
         with open(out, "w") as f:
-            json.dump({"device": gpu, "dtype": str(dtype), "torch": torch.__version__, "check_max_rel_error": worst,
-                       "check_seconds": check_s, "ours": ours, "fla": fla is not None, "crossovers": crossovers(rows),
+            json.dump({"device": gpu, "bandwidth_tbs": tbs, "dtype": str(dtype), "torch": torch.__version__,
+                       "check_max_rel_error": worst, "check_seconds": check_s, "ours": ours, "fla": fla is not None, "crossovers": crossovers(rows),
                        "rows": rows, "config": cfg}, f, indent=1)
 
     for B, H, D in sizes(cfg, "shapes", 3):
@@ -304,9 +316,10 @@ def device_report(cfg):
                         row["graph_speedup_vs_flash_fwd"] = row["flash_graph_fwd_ms"] / row["ours_graph_fwd_ms"]
                 if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
                     row.update(_passes(qf, kf, v, methods["ours"], cfg["repeats"], closed_form=SQ > 0))
-                io = B * H * T * (2 * F_ + 2 * D) * q.element_size()  # qf, kf, v in; y out (in v's dtype, no_grad)
-                row["memory_bound_ms"] = io / (cfg["bandwidth_tbs"] * 1e12) * 1e3  # reading and writing them once
-                row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
+                if tbs:
+                    io = B * H * T * (2 * F_ + 2 * D) * q.element_size()  # qf, kf, v in; y out (v's dtype, no_grad)
+                    row["memory_bound_ms"] = io / (tbs * 1e12) * 1e3  # reading and writing them once
+                    row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
                 if "fla_fwd_ms" in row:
                     row["ours_vs_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
                 save(row)
@@ -467,10 +480,11 @@ if __name__ == "__main__":
         "max_gib": 40.0,  # report: skip sizes whose features and states would take more
         "report_out": "",  # report: default results/kernel_<gpu>.json
         "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
-        "bandwidth_tbs": 4.8,  # report: the GPU's memory bandwidth in TB/s for the memory bound (H200: 4.8)
+        "bandwidth_tbs": 0.0,  # report: the GPU's memory bandwidth in TB/s for the memory bound; 0: from PEAK_TBS
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
-    positive(cfg, "max_gib", "bandwidth_tbs")
+    positive(cfg, "max_gib")
+    at_least(cfg, 0, "bandwidth_tbs")
     writable(cfg, "out")
     if cfg["report_out"]:  # else named after the GPU, in results/
         writable(cfg, "report_out")

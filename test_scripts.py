@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+import bench_kernel
 import convert
 import distill
 import gpt
@@ -117,8 +118,11 @@ def test_device_report_bookkeeping(tmp_path):
     skipped (here when over max_gib) or timed against SDPA, with the feature size of each family, and the
     polynomial families timed with their closed form and without."""
     run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal", "--lengths=64,96",
-               "--repeats=1", "--max_gib=0.00005", f"--report_out={tmp_path / 'r.json'}")
+               "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8", f"--report_out={tmp_path / 'r.json'}")
     r = json.load(open(tmp_path / "r.json"))
+    assert r["bandwidth_tbs"] == 4.8  # given; else from the GPU's name, and no memory bound for a GPU not in the table
+    assert [bench_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in
+            ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")] == [3.35, 4.8, 2.0, 1.555, None]
     errors = r["check_max_rel_error"]
     assert set(errors) == {"torch, float32", "torch, bfloat16", "torch, float32, closed form"} and r["fla"] is False
     assert errors["torch, float32"] < 1e-5 and errors["torch, float32, closed form"] < 1e-5
@@ -386,7 +390,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_gpt.py", ["--lr=inf"], "--lr expects a finite float, got 'inf'"),
     ("train_ar.py", ["--epochs=1e3"], "--epochs expects an integer, got '1e3'"),
     ("train_ar.py", ["--plots=yes"], "--plots expects a boolean (true or false), got 'yes'"),
-    ("bench_kernel.py", ["--bandwidth_tbs=0"], "--bandwidth_tbs=0.0 is out of range"),
+    ("bench_kernel.py", ["--bandwidth_tbs=-1"], "--bandwidth_tbs=-1.0 is out of range"),
     ("train_ar.py", ["--out_dir="], "--out_dir is empty: it must name where the results go"),
     ("decode.py", ["--out="], "--out is empty"),
     ("convert.py", ["--results="], "--results is empty"),  # these failed after the work, at the save
