@@ -144,7 +144,8 @@ def test_gradients_match_quadratic_autograd(name):
         return torch.autograd.grad((form(*fmap(q, k), v) * g).sum(), params, allow_unused=True)
 
     ref = grads(linear_attention_quadratic)
-    for form in (lambda a, b, c: linear_attention(a, b, c, backend="torch"), lambda a, b, c: linear_attention_chunked(a, b, c, 16)):
+    for form in (lambda a, b, c: linear_attention(a, b, c, backend="torch"),
+                 lambda a, b, c: linear_attention_chunked(a, b, c, 16)):
         for r, x in zip(ref, grads(form)):
             if r is not None:
                 assert torch.allclose(x, r, rtol=1e-8, atol=1e-9 * r.abs().max().item())
@@ -189,7 +190,8 @@ def test_hybrid_forms_match_float64_reference(window, chunk, gate):
     assert torch.allclose(torch.stack(ys, 2), ref, rtol=1e-10, atol=1e-12)
     assert cache["k"].shape[2] == min(window, q.shape[2])  # the cache holds the window, no more
     bidirectional = hybrid_loop_reference(q, k, qf, kf, v, window, g, causal=False)
-    assert torch.allclose(hybrid_attention_quadratic(q, k, qf, kf, v, window, g, causal=False), bidirectional, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(hybrid_attention_quadratic(q, k, qf, kf, v, window, g, causal=False), bidirectional,
+                          rtol=1e-10, atol=1e-12)
 
 
 def test_hybrid_gradients_match_the_definition():

@@ -276,7 +276,8 @@ def test_auto_backend_covers_the_build_checked_sizes():
     assert all(kernel.triton_covered(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV)
     assert kernel.triton_covered(4161, 64)  # same tiles and divisibility as 2145
     assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)  # an int of 1 is compiled in; Dv 130: untested tiles
-    assert all(kernel.triton_covered(1 + D + D * (D + 1) // 2, dv, D, SQ) for D, SQ in kernel.BUILD_SQUARES for dv in kernel.BUILD_DV)
+    assert all(kernel.triton_covered(1 + D + D * (D + 1) // 2, dv, D, SQ)
+               for D, SQ in kernel.BUILD_SQUARES for dv in kernel.BUILD_DV)
     assert not kernel.triton_covered(2145, 64, 64, 3)  # 3 terms (OAL with 2 groups) are another compilation
     assert not kernel.triton_covered(8385, 64, 128, 2)  # D = 128: a tile of 128, not build-checked
 

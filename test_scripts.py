@@ -41,7 +41,8 @@ def test_closed_form_benchmark_runs(tmp_path):
     """bench_kernel.py --closed_form=true times every polynomial map both ways and saves the rows."""
     run_script("bench_kernel.py", "--closed_form=true", "--repeats=1", "--closed_form_shapes=2x2x64x8,1x2x96x16", cwd=tmp_path)
     rows = json.load(open(tmp_path / "results" / "closed_form.json"))["rows"]
-    assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal") for w in ("scores", "chunked attention")}
+    assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal")
+                                                      for w in ("scores", "chunked attention")}
     assert all(r["features_ms"] > 0 and r["closed_form_ms"] > 0 for r in rows)
 
 
@@ -121,8 +122,8 @@ def test_device_report_bookkeeping(tmp_path):
                "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8", f"--report_out={tmp_path / 'r.json'}")
     r = json.load(open(tmp_path / "r.json"))
     assert r["bandwidth_tbs"] == 4.8  # given; else from the GPU's name, and no memory bound for a GPU not in the table
-    assert [bench_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in
-            ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")] == [3.35, 4.8, 2.0, 1.555, None]
+    gpus = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")
+    assert [bench_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in gpus] == [3.35, 4.8, 2.0, 1.555, None]
     errors = r["check_max_rel_error"]
     assert set(errors) == {"torch, float32", "torch, bfloat16", "torch, float32, closed form"} and r["fla"] is False
     assert errors["torch, float32"] < 1e-5 and errors["torch, float32, closed form"] < 1e-5
@@ -309,7 +310,8 @@ def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
     torch.save({"kind": "something else"}, tmp_path / "bad.pt")
     assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
     torch.save({"kind": "train_gpt", "model_args": {"attention": "hedgehog"}}, tmp_path / "linear.pt")
-    assert "not a train_gpt.py checkpoint of a softmax model" in run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
+    err = run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
+    assert "not a train_gpt.py checkpoint of a softmax model" in err
 
 
 @needs_tokenizer
