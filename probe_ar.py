@@ -26,6 +26,10 @@ with the first no higher than a uniform row's. Three measurements say how:
 
     python probe_ar.py --model=results/ar_h3_zoology_256_elu_seed1_model/model_elu_F256_seed1.pt
 
+With token shift (train_ar.py's default) each value's position already holds its key, so either layer can
+look up without the circuit; the ar.json's target_mass_per_head says which layers do, and the tables here
+what each is worth (docs/results.md, the capacity picture: a seed whose layer 1 never joins).
+
 Prints the three tables and writes them to probe_<model name>.json beside the model.
 """
 import json
