@@ -226,15 +226,13 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
 # map family -> (F at head dim D, SQ): the polynomial families run with their closed form (squares) in-tile
 FAMILIES = {"hedgehog": (lambda D: 2 * D, 0), "elu": (lambda D: D, 0),
             "taylor": (lambda D: 1 + D + D * (D + 1) // 2, 2), "oal": (lambda D: 1 + D + D * (D + 1) // 2, 6)}
-
-
-# peak memory bandwidth in TB/s by GPU name (NVIDIA's data sheets), for the memory bound; the first match counts
-PEAK_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35),
-            ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555))
+PEAK_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35),  # memory bandwidth by GPU name
+            ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555))  # (NVIDIA's data sheets)
 
 
 def peak_bandwidth(cfg, gpu):
-    """TB/s for the memory bound: --bandwidth_tbs, else from the GPU's name; None (no bound) when neither says."""
+    """TB/s for the memory bound: --bandwidth_tbs, else the first entry of PEAK_TBS in the GPU's name; None
+    (no bound) when neither says."""
     return cfg["bandwidth_tbs"] or next((tbs for name, tbs in PEAK_TBS if name in gpu), None)
 
 
@@ -276,8 +274,8 @@ def device_report(cfg):
         rows.append(row)
         with open(out, "w") as f:
             json.dump({"device": gpu, "bandwidth_tbs": tbs, "dtype": str(dtype), "torch": torch.__version__,
-                       "check_max_rel_error": worst, "check_seconds": check_s, "ours": ours, "fla": fla is not None, "crossovers": crossovers(rows),
-                       "rows": rows, "config": cfg}, f, indent=1)
+                       "check_max_rel_error": worst, "check_seconds": check_s, "ours": ours, "fla": fla is not None,
+                       "crossovers": crossovers(rows), "rows": rows, "config": cfg}, f, indent=1)
 
     for B, H, D in sizes(cfg, "shapes", 3):
         shape = f"{B}x{H}x{D}"
@@ -495,9 +493,8 @@ if __name__ == "__main__":
     integers(cfg, "lengths", 1)
     if cfg["report"]:
         device_report(cfg)
-        raise SystemExit(0)
-    if cfg["closed_form"]:
+    elif cfg["closed_form"]:
         closed_form(cfg)
-        raise SystemExit(0)
-    benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
-              cfg["repeats"], cfg["quadratic_max"], cfg["out"])
+    else:
+        benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],
+                  cfg["repeats"], cfg["quadratic_max"], cfg["out"])

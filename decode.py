@@ -127,10 +127,10 @@ def main(cfg):
     if dev == "cpu":
         torch.set_num_threads(cfg["threads"])
     where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({torch.get_num_threads()} thread)"
-    need = 2 * 2 * cfg["heads"] * max(lengths) * cfg["head_dim"] * 4  # softmax's fp32 K and V, and the step's copy
-    if "softmax" in names and (memory_bytes(dev) or need) < need:
+    need, have = 2 * 2 * cfg["heads"] * max(lengths) * cfg["head_dim"] * 4, memory_bytes(dev)  # fp32 K, V and a copy
+    if "softmax" in names and have and need > have:
         raise SystemExit(f"error: --contexts: softmax's KV cache at {max(lengths)} tokens needs {need / 2 ** 30:.1f} GiB, "
-                         f"more than the {memory_bytes(dev) / 2 ** 30:.1f} GiB of {dev}")
+                         f"more than the {have / 2 ** 30:.1f} GiB of {dev}")
     records = []
     print(f"part 1: one layer, {cfg['heads']} heads of {cfg['head_dim']}, batch 1, one new token; {where}")
     print(f"{'attention':<10} {'context':>8} {'ms/token':>9} {'cache MiB':>10}")

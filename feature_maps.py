@@ -413,7 +413,7 @@ class OAL(FeatureMap):
         super().__init__(head_dim, num_heads)
         if not isinstance(max_groups, int) or max_groups < 1:
             raise ValueError(f"oal: max_groups must be an integer of at least 1, got {max_groups!r}")
-        if not eps > 0 or not math.isfinite(eps):
+        if not 0 < eps < math.inf:
             raise ValueError(f"oal: eps must be a finite positive number, got {eps}")
         self.D, self.G, self.eps = head_dim, max_groups, eps
         L = torch.zeros(num_heads, max_groups + 1, max_groups + 1)
