@@ -40,6 +40,12 @@ def _fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _positive_int(where, key, n):
+    """Refuse a size or count that is not an integer >= 1 (0 builds empty features; True passes as 1)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{where}: {key} must be a positive integer, got {n!r}")
+
+
 def pair_products(x):
     """(x_l x_m) for l >= m, in torch.tril_indices order: (..., D) -> (..., D(D+1)/2).
     Built row by row with slices: indexing with index tensors is 2-3x slower on CPU, mostly in backward."""
@@ -88,9 +94,8 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim, num_heads=1):
         super().__init__()
-        for key, n in (("head_dim", head_dim), ("num_heads", num_heads)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"{type(self).__name__}: {key} must be a positive integer, got {n!r}")
+        _positive_int(type(self).__name__, "head_dim", head_dim)
+        _positive_int(type(self).__name__, "num_heads", num_heads)
         self.head_dim, self.num_heads = head_dim, num_heads
 
     def __call__(self, q, k, offset=0):
@@ -208,8 +213,8 @@ class Performer(FeatureMap):
     def __init__(self, head_dim, num_heads=1, num_features=None):
         super().__init__(head_dim, num_heads)
         self.D, self.H = head_dim, num_heads
-        if num_features is not None and (not isinstance(num_features, int) or num_features < 1):
-            raise ValueError(f"performer: num_features must be a positive integer, got {num_features!r}")
+        if num_features is not None:
+            _positive_int("performer", "num_features", num_features)
         self.m = num_features or max(1, round(head_dim * math.log(head_dim)))
         self.register_buffer("W", self.draw())
 
@@ -243,8 +248,8 @@ class CosFormer(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, max_len=None):
         super().__init__(head_dim, num_heads)
-        if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
-            raise ValueError(f"cosformer: max_len must be a positive integer or None, got {max_len!r}")
+        if max_len is not None:
+            _positive_int("cosformer", "max_len", max_len)
         self.max_len = max_len
 
     def forward(self, q, k, offset=0):
@@ -411,8 +416,7 @@ class OAL(FeatureMap):
 
     def __init__(self, head_dim, num_heads=1, max_groups=5, eps=1e-6):
         super().__init__(head_dim, num_heads)
-        if not isinstance(max_groups, int) or max_groups < 1:
-            raise ValueError(f"oal: max_groups must be an integer of at least 1, got {max_groups!r}")
+        _positive_int("oal", "max_groups", max_groups)
         if not 0 < eps < math.inf:
             raise ValueError(f"oal: eps must be a finite positive number, got {eps}")
         self.D, self.G, self.eps = head_dim, max_groups, eps

@@ -67,7 +67,7 @@ def test_unknown_names_and_options_are_refused():
             with pytest.raises(ValueError, match="must be a positive integer"):
                 fm.make_feature_map(name, D, H)
         assert fm.make_feature_map(name, 1)(torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1))[0].shape[-1] >= 1
-    for name, options, match in [("oal", dict(max_groups=0), "oal: max_groups must be an integer of at least 1, got 0"),
+    for name, options, match in [("oal", dict(max_groups=0), "oal: max_groups must be a positive integer, got 0"),
                                  ("oal", dict(eps=0.0), "oal: eps must be a finite positive number"),
                                  ("exp", dict(t=float("nan")), "exp: t must be a finite number, got nan"),
                                  ("performer", dict(num_features=0), "performer: num_features must be a positive"),
