@@ -12,7 +12,8 @@ Floats must be finite. The scripts then check their values before any work, each
 at_least() for sizes and counts, positive() for rates, writable() for where results go, one_of() for
 one name from a fixed set, choices() for comma-separated names from one, integers() for
 comma-separated integers, sizes() for comma-separated sizes like 1x12x64, layer_list() for layer indices
-(no list may repeat a value; repeated() checks a list a script builds itself).
+(no list may repeat a value or have an empty entry; entries() splits a list at its commas, repeated()
+checks a list a script builds itself).
 pick_device() resolves the scripts' device = "auto" and refuses a device the machine lacks; pyplot()
 imports matplotlib only when it is there.
 """
@@ -131,11 +132,19 @@ def one_of(cfg, key, valid):
 
 def choices(cfg, key, valid):
     """The comma-separated names of setting `key` as a list; an unknown or repeated one is refused."""
-    got = [n for n in str(cfg[key]).split(",") if n]
+    got = entries(cfg, key)
     unknown = [n for n in got if n not in valid]
-    if unknown or not got:
-        sys.exit(f"error: --{key}: unknown {', '.join(unknown) or '(empty)'}; valid: {', '.join(valid)}")
+    if unknown:
+        sys.exit(f"error: --{key}: unknown {', '.join(unknown)}; valid: {', '.join(valid)}")
     repeated(key, got)
+    return got
+
+
+def entries(cfg, key):
+    """Setting `key` split at its commas; an empty list or entry (a stray comma) is refused, not skipped."""
+    got = str(cfg[key]).split(",")
+    if "" in got:
+        sys.exit(f"error: --{key}={cfg[key]!r} has an empty entry: give comma-separated values, none empty")
     return got
 
 
@@ -149,10 +158,10 @@ def repeated(key, values):
 def integers(cfg, key, low=0):
     """The comma-separated integers of setting `key` (seeds, sizes, lengths), each at least `low`."""
     try:
-        values = [int(x) for x in str(cfg[key]).split(",") if x]
+        values = [int(x) for x in entries(cfg, key)]
     except ValueError:
         sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of integers")
-    if not values or min(values) < low:
+    if min(values) < low:
         sys.exit(f"error: --{key}={cfg[key]!r} must list integers >= {low}")
     repeated(key, values)
     return values

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
-from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot, repeated, writable
+from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot, writable
 from oal_groups import contribution_scores
 from gpt import load_text
 
@@ -143,8 +143,7 @@ def main(cfg):
     writable(cfg, "results")
     lengths = integers(cfg, "lengths", 1)
     names = choices(cfg, "maps", ATTENTIONS[1:])  # every feature map, swa and lolcats
-    convert_names = [n for n in cfg["convert_maps"].split(",") if n]
-    repeated("convert_maps", convert_names)
+    convert_names = choices(cfg, "convert_maps", ATTENTIONS[1:]) if cfg["convert_maps"] else []
     if set(convert_names) - set(names):
         raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
     text = load_text(cfg["text"], "text")

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from configurator import configure, pyplot, repeated, writable
+from configurator import configure, entries, pyplot, repeated, writable
 
 # ---- config: plain values, override with --key=value ----
 runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
@@ -330,7 +330,7 @@ def load(paths):
 if __name__ == "__main__":
     cfg = configure(config)
     paths = []
-    for p in filter(None, cfg["runs"].split(",")):
+    for p in entries(cfg, "runs") if cfg["runs"] else []:
         found = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         if not found:
             raise SystemExit(f"error: --runs: no file matches {p}")

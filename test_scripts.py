@@ -413,6 +413,9 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_ar.py", ["--attentions=elu,hedgehog,elu"], "--attentions lists elu more than once"),
     ("train_ar.py", ["--seeds=0,1,0"], "--seeds lists 0 more than once"),
     ("bench_kernel.py", ["--shapes=1x12x64,1x12x64"], "--shapes lists 1x12x64 more than once"),
+    ("train_ar.py", ["--attentions=elu,,hedgehog"], "--attentions='elu,,hedgehog' has an empty entry"),  # ran two
+    ("decode.py", ["--contexts=128,"], "--contexts='128,' has an empty entry"),
+    ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json") + ","], "ar.json,' has an empty entry"),
     ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json") + "," + os.path.join(HERE, "results", "*.json")],
      "ar.json more than once"),
 ])
