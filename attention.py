@@ -298,8 +298,10 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if min(d_model, n_head) < 1 or d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (both must be at least 1)")
+        if qk_dim is not None and qk_dim < 1:
+            raise ValueError(f"qk_dim must be at least 1 (or None: d_model / n_head), got {qk_dim}")
         self.d_model, self.n_head, self.head_dim, self.causal = d_model, n_head, d_model // n_head, causal
-        self.qk_dim, self.attn_dropout = qk_dim or self.head_dim, attn_dropout
+        self.qk_dim, self.attn_dropout = self.head_dim if qk_dim is None else qk_dim, attn_dropout
         self.q, self.k = (nn.Linear(d_model, n_head * self.qk_dim, bias=bias) for _ in range(2))
         self.v, self.o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(2))
         if attention == "cosformer":
@@ -314,6 +316,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
         if attention in WINDOWED and window < 1:
             raise ValueError(f"{attention}: window must be at least 1, got {window}")
+        if attention in ("softmax", "swa") and fmap_options:
+            raise ValueError(f"{attention} has no feature map to take the options {', '.join(fmap_options)}")
         self.attention, self.window = attention, window if attention in WINDOWED else 0
         if attention == "lolcats":
             attention = "hedgehog"

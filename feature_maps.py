@@ -26,6 +26,7 @@ Learned maps      t2r, hedgehog, taylorshift, dijiang, quadratic, oal
 make_feature_map(name, head_dim, num_heads, **kwargs) builds one; FEATURE_MAPS lists them all.
 Learned maps keep one set of parameters per head (leading dimension H).
 """
+import inspect
 import math
 
 import torch
@@ -492,4 +493,9 @@ def make_feature_map(name, head_dim, num_heads=1, **kwargs):
     t=2 for exp, mode='softmax_halves' for hedgehog, max_len=... for cosformer, max_groups=... for oal)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; valid names: {', '.join(FEATURE_MAPS)}")
+    options = list(inspect.signature(FEATURE_MAPS[name]).parameters)[2:]  # after head_dim, num_heads
+    unknown = [key for key in kwargs if key not in options]
+    if unknown:
+        raise ValueError(f"feature map {name!r} has no option {', '.join(unknown)}; "
+                         f"its options: {', '.join(options) or 'none'}")  # was a TypeError from __init__
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)

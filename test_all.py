@@ -263,6 +263,8 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
     for build, match in [(lambda: MultiHeadAttention(16, 0), "must be at least 1"),  # a modulo by 0
                          (lambda: GPT(0, 24, 2, 2, 16), "must be at least 1"),  # a GPT of no ids
                          (lambda: MultiHeadAttention(16, 2).use("lolcats", gate=1.0), "strictly between 0 and 1"),
+                         (lambda: MultiHeadAttention(16, 2, qk_dim=-4), "qk_dim must be at least 1"),  # torch's error
+                         (lambda: MultiHeadAttention(16, 2, "softmax", t=2.0), "softmax has no feature map"),  # ignored
                          (lambda: ar.make_ar_data(4, seq_len=2), "seq_len must be at least 3"),  # torch's random_ error
                          (lambda: ar.make_h3_data(4, vocab_size=3), "vocab_size 4")]:
         with pytest.raises(ValueError, match=match):

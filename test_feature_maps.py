@@ -71,7 +71,9 @@ def test_unknown_names_and_options_are_refused():
                                  ("oal", dict(eps=0.0), "oal: eps must be a finite positive number"),
                                  ("exp", dict(t=float("nan")), "exp: t must be a finite number, got nan"),
                                  ("performer", dict(num_features=0), "performer: num_features must be a positive"),
-                                 ("cosformer", dict(max_len=0), "cosformer: max_len must be a positive integer")]:
+                                 ("cosformer", dict(max_len=0), "cosformer: max_len must be a positive integer"),
+                                 ("elu", dict(t=2.0), "'elu' has no option t; its options: none"),  # a TypeError
+                                 ("exp", dict(temp=2.0), "'exp' has no option temp; its options: t, normalize")]:
         with pytest.raises(ValueError, match=match):
             fm.make_feature_map(name, 8, **options)
 
