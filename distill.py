@@ -29,6 +29,7 @@ All but layer_qkv also take window=w (with a gate): fmap is then the linear part
 import torch
 
 from attention import DISTILL_EPS, EPS, _fp32, attention_weights, entropy, linear_attention_quadratic, softmax_attention
+from kernel import check_shapes
 
 
 @torch.no_grad()
@@ -59,6 +60,7 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True, window=0, gate=1.
         raise ValueError(f"loss must be 'xent', 'mse' or 'both', got {loss!r}")
     if loss != "xent" and v is None:
         raise ValueError(f"loss={loss!r} matches attention outputs, so it needs v")
+    check_shapes(q, k, q if v is None else v, "q, k")  # a shorter k would fail inside the causal mask
     total = 0.0
     if loss in ("xent", "both"):
         with torch.no_grad():

@@ -37,6 +37,8 @@ def rank_cuts(scores, min_ratio=1.5, bootstrap=100, seed=0):
     sequences in which the same dimensions sit above a gap of at least min_ratio. Ranked by support,
     then ratio (both descending), then t (ascending). Returns [(dims above, ratio, support), ...].
     """
+    if scores.dim() != 2 or scores.shape[0] < 1:
+        raise ValueError(f"scores must be (N, D), one row per calibration sequence, N >= 1; got {tuple(scores.shape)}")
     N, D = scores.shape
     top = max(1, math.ceil(D / 4) - 1)
     positions = range(D - 1 - top, D - 1)

@@ -435,12 +435,15 @@ def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metri
     assert any(not torch.equal(a, b) for a, b in zip(fmap_before, mha.fmap.parameters()))
 
 
-def test_distill_rejects_fixed_maps_and_missing_v():
+def test_distill_rejects_fixed_maps_missing_v_and_shapes_that_do_not_fit():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="no parameters"):
         distill.distill_feature_map(fm.make_feature_map("elu", 8), q, k)
     with pytest.raises(ValueError, match="needs v"):
         distill.distill_feature_map(fm.make_feature_map("oal", 8, 2), q, k, loss="mse")
+    for bad_k, bad_v, loss in [(k[:, :, :3], None, "xent"), (k, v[:, :, :3], "both")]:  # a RuntimeError in the mask
+        with pytest.raises(ValueError, match="expected q, k of shape"):
+            distill.distill_feature_map(fm.make_feature_map("hedgehog", 8, 2), q, bad_k, bad_v, loss=loss)
 
 
 # ----------------------------------------------------------------------------------------------

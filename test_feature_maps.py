@@ -181,6 +181,9 @@ def test_oal_direct_scores_match_definition_and_features_with_gradients():
 def test_oal_rejects_bad_groups():
     with pytest.raises(ValueError, match="groups"):
         fm.make_feature_map("oal", 8, 2).set_groups(torch.full((2, 8), 7))
+    for scores in (torch.rand(8), torch.rand(0, 8)):  # one head's scores, no sequence: torch errors inside
+        with pytest.raises(ValueError, match="scores must be \\(N, D\\)"):
+            oal_groups.find_groups(scores)
 
 
 @pytest.mark.parametrize("mode", ["softmax", "softmax_halves", "exp"])
