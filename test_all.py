@@ -251,6 +251,10 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
         for bad in [(q, k[:, :1], v), (q, k, v[:, :, :5]), (q[0], k[0], v[0])]:
             with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, \\.\\) alike"):
                 form(*bad)
+    for fmap in (None, fm.make_feature_map("elu", 8)):  # the weights: a RuntimeError inside the causal mask
+        for bad in [(q, k[:, :, :5]), (q[0], k[0])]:
+            with pytest.raises(ValueError, match="expected q, k of shape \\(B, H, T, D\\) alike"):
+                attention_weights(*bad, fmap)
     mha = MultiHeadAttention(16, 2, attention="hedgehog")
     for bad in (torch.randn(2, 8, 12), torch.randn(8, 16)):  # the wrong width; no batch dimension
         with pytest.raises(ValueError, match="expected x of shape \\(B, T, 16\\), got"):
