@@ -58,7 +58,8 @@ def entropy(weights):
 
 
 def softmax_attention(q, k, v, causal=True):
-    """The readable reference: softmax(q k^T / sqrt(D)) v. Models call F.scaled_dot_product_attention, which tests check equals this."""
+    """The readable reference: softmax(q k^T / sqrt(D)) v. Models call F.scaled_dot_product_attention, which
+    tests check equals this."""
     check_shapes(q, k, v, "q, k")
     return attention_weights(q, k, causal=causal).to(v.dtype) @ v
 
@@ -262,7 +263,8 @@ def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
     q, k, qf, kf, vf = (_fp32(x)[:, :, None] for x in (q_t, k_t, qf_t, kf_t, v_t))  # (B, H, 1, .)
     if cache is None:
         cache = {"k": k[:, :, :0], "v": vf[:, :, :0], "kf": kf[:, :, :0],
-                 "S": q.new_zeros(*kf.shape[:2], kf.shape[-1], vf.shape[-1]), "z": q.new_zeros(*kf.shape[:2], kf.shape[-1], 1)}
+                 "S": q.new_zeros(*kf.shape[:2], kf.shape[-1], vf.shape[-1]),  # (B, H, F, Dv)
+                 "z": q.new_zeros(*kf.shape[:2], kf.shape[-1], 1)}  # (B, H, F, 1)
     keys, values, feats = (torch.cat([cache[n], x], 2) for n, x in (("k", k), ("v", vf), ("kf", kf)))
     S, z = cache["S"], cache["z"]
     if keys.shape[2] > window:  # the oldest token leaves the window for the state
@@ -382,8 +384,8 @@ class MultiHeadAttention(nn.Module):
         t = 0 if cache is None else cache["t"]
         if self.window:
             qf, kf = self.features(q, k, offset=t)
-            y, inner = hybrid_attention_step(q[:, :, 0], k[:, :, 0], qf[:, :, 0], kf[:, :, 0], v[:, :, 0], self.window, self.g(),
-                                             None if cache is None else cache["window"])
+            y, inner = hybrid_attention_step(q[:, :, 0], k[:, :, 0], qf[:, :, 0], kf[:, :, 0], v[:, :, 0],
+                                             self.window, self.g(), None if cache is None else cache["window"])
             cache = {"t": t + 1, "window": inner}
         elif self.fmap is None:
             if cache is not None:
@@ -410,7 +412,8 @@ class Block(nn.Module):
         self.mlp = None
         if mlp_ratio:
             self.ln2 = nn.LayerNorm(d_model)
-            self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model))
+            hidden = mlp_ratio * d_model
+            self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))

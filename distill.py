@@ -104,7 +104,8 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
             break
         value = distill_loss(fmap, q, k, v, loss, causal, window, gate())
         if not torch.isfinite(value):  # the scripts' calibration loops: one line, exit status 1
-            raise SystemExit(f"error: distillation step {step}: the {loss} loss is {value.item()}; try a lower lr (now {lr})")
+            raise SystemExit(f"error: distillation step {step}: the {loss} loss is {value.item()}; "
+                             f"try a lower lr (now {lr})")
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
@@ -118,7 +119,8 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
 
 def spearman_rows(x, y, causal=True):
     """Mean over rows i of the Spearman correlation of x_i. and y_i. over the keys row i sees (j <= i if
-    causal); rows with fewer than 3 keys are skipped (nan if none is left). x, y: (B, H, T, T). Ties are ranked by position."""
+    causal); rows with fewer than 3 keys are skipped (nan if none is left). x, y: (B, H, T, T). Ties are
+    ranked by position."""
     T = x.shape[-1]
     values = []
     for i in range(2 if causal else 0, T):

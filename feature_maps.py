@@ -61,7 +61,7 @@ def quadratic_features(x):
     """
     D = x.shape[-1]
     l, m = torch.tril_indices(D, D, device=x.device)
-    scale = torch.full(l.shape, 1.0, dtype=x.dtype, device=x.device)  # in x's dtype: a float32 sqrt(2) would cost float64 precision
+    scale = torch.full(l.shape, 1.0, dtype=x.dtype, device=x.device)  # x's dtype: a float32 sqrt(2) costs float64 digits
     scale[l == m] = 1 / math.sqrt(2)
     return pair_products(x) * scale
 
@@ -256,7 +256,8 @@ class CosFormer(FeatureMap):
     def forward(self, q, k, offset=0):
         T = q.shape[-2]
         if self.max_len is None and offset > 0:
-            raise ValueError("cosformer: step-by-step decoding needs a fixed max_len (make_feature_map('cosformer', D, max_len=...))")
+            raise ValueError("cosformer: step-by-step decoding needs a fixed max_len "
+                             "(make_feature_map('cosformer', D, max_len=...))")
         M = self.max_len or T
         if offset + T > M:
             raise ValueError(f"cosformer: position {offset + T - 1} is past max_len={M}")
@@ -276,17 +277,14 @@ class Taylor(FeatureMap):
     Always positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2.
     """
 
-    def __init__(self, head_dim, num_heads=1):
-        super().__init__(head_dim, num_heads)
-        self.D = head_dim
-
     def phi(self, x):
-        x = x / self.D ** 0.25
+        x = x / self.head_dim ** 0.25
         return torch.cat([torch.ones_like(x[..., :1]), x, quadratic_features(x)], dim=-1)
 
     def squares(self, q, k):
         q, k = _fp32(q), _fp32(k)
-        return _taylor_squares(q, k, torch.full((1, 1, 1), 0.5 / math.sqrt(self.D), dtype=q.dtype, device=q.device))
+        half = torch.full((1, 1, 1), 0.5 / math.sqrt(self.head_dim), dtype=q.dtype, device=q.device)  # s/2 = half q.k
+        return _taylor_squares(q, k, half)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,7 +430,8 @@ class OAL(FeatureMap):
         """Fix the grouping, (H, D) ints in [0, max_groups)."""
         groups = torch.as_tensor(groups, dtype=torch.long, device=self.groups.device)
         if groups.shape != self.groups.shape or groups.min() < 0 or groups.max() >= self.G:
-            raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), got shape {tuple(groups.shape)}")
+            raise ValueError(f"oal: groups must be {tuple(self.groups.shape)} ints in [0, {self.G}), "
+                             f"got shape {tuple(groups.shape)}")
         self.groups.copy_(groups)
 
     def set_groups_from(self, q, k, causal=True, budget=None):
@@ -475,7 +474,7 @@ class OAL(FeatureMap):
 
 
 class Quadratic(OAL):
-    """The learned global quadratic kernel a + b s + c s^2 = eps + ||[1, s] L||^2 (OAL Sec. 2, App. D): OAL with one group."""
+    """The learned global quadratic a + b s + c s^2 = eps + ||[1, s] L||^2 (OAL Sec. 2, App. D): one group."""
 
     def __init__(self, head_dim, num_heads=1, eps=1e-6):
         super().__init__(head_dim, num_heads, max_groups=1, eps=eps)
