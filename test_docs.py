@@ -1,6 +1,7 @@
 """
 The docs as a reader uses them: every link of the README and docs/results.md resolves, every command they
-show names settings that exist, and the README's Python example runs as written.
+show names settings that exist, the README's Python example runs as written, and its bound on file
+lengths holds.
 Run: python -m pytest -q test_docs.py
 """
 import ast
@@ -63,3 +64,11 @@ def test_every_command_in_the_docs_names_real_settings(doc):
         assert not unknown, f"{doc}: python {script}{args} has no setting {', '.join(sorted(unknown))}"
         for path in re.findall(r"config/[\w.]+", args):
             assert os.path.exists(os.path.join(HERE, path)), f"{doc}: no {path}"
+
+
+def test_every_file_but_kernel_py_is_500_lines_or_fewer():
+    """The README's promise that each file can be read in one sitting: 500 lines or fewer, kernel.py apart
+    (one algorithm twice, the fallback beside the Triton kernels; the README says why)."""
+    lengths = {f: sum(1 for _ in open(os.path.join(HERE, f))) for f in os.listdir(HERE) if f.endswith(".py")}
+    assert "500 lines or fewer but for one" in open(os.path.join(HERE, "README.md")).read()
+    assert {f: n for f, n in lengths.items() if n > 500 and f != "kernel.py"} == {}

@@ -87,6 +87,14 @@ def test_taylor_is_exact_second_order():
     assert fmap(q, k)[0].shape[-1] == 1 + 6 + 21
 
 
+def test_monotonicity_of_taylor_and_relu():
+    q, k, v = qkv(T=30, D=8, scale=0.4)  # |s| < 1, where 1 + s + s^2/2 increases with s
+    s = logits(q, k)
+    assert s.abs().max() < 1
+    assert distill.mimicry(q, k, v, fm.make_feature_map("taylor", 8))["monotonicity"] == pytest.approx(1.0)
+    assert distill.mimicry(q, k, v, fm.make_feature_map("relu", 8))["monotonicity"] < 0.9
+
+
 def oal_kernel_by_definition(fmap, q, k):
     """K = eps + ||[1, z_1..z_G] L||^2 with z_g = sum_{l in g} q_l k_l / sqrt(D), straight from OAL Sec. 4."""
     D = q.shape[-1]
