@@ -121,22 +121,28 @@ def main(cfg):
 
 
 def report(rows, D):
-    """Mean RelMSE over every head of every layer, and for the most skewed head, per (kind, G)."""
+    """Mean RelMSE over every head of every layer, and for the most skewed head, per (kind, G); and in how many
+    heads each grouping is below the global quadratic (G = 1), head against the same head."""
     share = {r["layer"]: r["top_share"] for r in rows}  # top-10% contribution share of each head
     skewed = max(((i, h) for i in share for h in range(len(share[i]))), key=lambda ih: share[ih[0]][ih[1]])
     summary = {"most_skewed_head": {"layer": skewed[0], "head": skewed[1]}, "results": []}
     print(f"\nmean over heads (RelMSE on the heads' outputs, and after the output projection); most skewed head: "
           f"layer {skewed[0]}, head {skewed[1]}")
-    print(f"{'grouping':<14} {'G':>3} {'RelMSE':>8} {'after o':>8} {'skewed head':>12}")
+    print(f"{'grouping':<14} {'G':>3} {'RelMSE':>8} {'after o':>8} {'skewed head':>12} {'heads below G = 1':>18}")
     keys = list(dict.fromkeys((r["kind"], r["G"]) for r in rows))
+    heads_of = {key: [x for r in rows if (r["kind"], r["G"]) == key for x in r["rel_mse_heads"]] for key in keys}
+    one_group = heads_of.get(("contribution", 1))
     for kind, G in sorted(keys, key=lambda k: (k[1] if k[0] != "published" else 0.5, k[0])):
         rs = [r for r in rows if r["kind"] == kind and r["G"] == G]
-        heads = [x for r in rs for x in r["rel_mse_heads"]]
+        heads = heads_of[(kind, G)]
+        below = None if one_group is None else sum(x < y for x, y in zip(heads, one_group))
         s = {"kind": kind, "G": G, "rel_mse": sum(heads) / len(heads), "rel_mse_out": sum(r["rel_mse_out"] for r in rs) / len(rs),
-             "skewed_head": next((r["rel_mse_heads"][skewed[1]] for r in rs if r["layer"] == skewed[0]), None)}
+             "skewed_head": next((r["rel_mse_heads"][skewed[1]] for r in rs if r["layer"] == skewed[0]), None),
+             "heads_below_one_group": below}
         summary["results"].append(s)
         label = "2-5" if kind == "published" else str(G)
-        print(f"{kind:<14} {label:>3} {s['rel_mse']:>8.4f} {s['rel_mse_out']:>8.4f} {s['skewed_head']:>12.4f}")
+        below = "" if below is None or G == 1 else f"{below} of {len(heads)}"
+        print(f"{kind:<14} {label:>3} {s['rel_mse']:>8.4f} {s['rel_mse_out']:>8.4f} {s['skewed_head']:>12.4f} {below:>18}")
     return summary
 
 

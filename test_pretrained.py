@@ -128,12 +128,17 @@ def test_oal_budget_smoke(tmp_path):
     32 for one per dimension), random groups of the same sizes, and a RelMSE for each head."""
     run_script("oal_budget.py", "--layers=0", "--budgets=1,3", "--steps=2", "--calib=2", "--val=2", "--test=2",
                "--seq_len=32", f"--out={tmp_path / 'b.json'}")
-    rows = {(r["kind"], r["G"]): r for r in json.load(open(tmp_path / "b.json"))["rows"]}
+    saved = json.load(open(tmp_path / "b.json"))
+    rows = {(r["kind"], r["G"]): r for r in saved["rows"]}
     assert set(rows) == {("contribution", 1), ("contribution", 3), ("random", 3), ("published", 0), ("per dimension", 32)}
     assert rows["contribution", 3]["groups_per_head"] == rows["random", 3]["groups_per_head"] == [3] * 12
     assert rows["per dimension", 32]["groups_per_head"] == [32] * 12
     assert all(2 <= g <= 5 for g in rows["published", 0]["groups_per_head"])
     assert all(len(r["rel_mse_heads"]) == 12 and r["rel_mse"] > 0 for r in rows.values())
+    one_group = rows["contribution", 1]["rel_mse_heads"]  # the summary's head-by-head count against G = 1
+    for s in saved["summary"]["results"]:
+        heads = rows[s["kind"], s["G"]]["rel_mse_heads"]
+        assert s["heads_below_one_group"] == sum(heads[h] < one_group[h] for h in range(12))
 
 
 @needs_transformers
