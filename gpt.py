@@ -49,7 +49,7 @@ def load_text(name, key="data"):
     """The text of corpus `name`: "pydoc", "wikitext103" or a file path; errors name the setting `key`."""
     if name == "pydoc":
         from pydoc_data.topics import topics
-        return "\n\n".join(topics[key] for key in sorted(topics))
+        return "\n\n".join(topics[topic] for topic in sorted(topics))
     if name == "wikitext103":
         try:
             from datasets import load_dataset
@@ -61,11 +61,15 @@ def load_text(name, key="data"):
         return "".join(ds["train"]["text"]) + "".join(ds["validation"]["text"])
     if not os.path.exists(name):
         raise SystemExit(f"error: --{key}={name!r} is not 'pydoc', 'wikitext103' or an existing file")
+    if os.path.isdir(name):
+        raise SystemExit(f"error: --{key}={name} is a folder: give a text file")
     try:
         with open(name, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise SystemExit(f"error: --{key}={name}: not UTF-8 text (byte {e.start} of {len(e.object)}: {e.reason})") from None
+    except OSError as e:  # a file this user may not read
+        raise SystemExit(f"error: --{key}={name} cannot be read: {e.strerror}") from None
     if not text.strip():
         raise SystemExit(f"error: --{key}={name} is empty")
     return text

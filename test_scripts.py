@@ -384,6 +384,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("oal_budget.py", ["--steps=-1"], "--steps=-1 is out of range"),
     ("oal_budget.py", ["--text=missing.txt"], "--text='missing.txt' is not 'pydoc'"),  # it said --data
     ("fidelity.py", ["--text=missing.txt"], "--text='missing.txt' is not 'pydoc'"),
+    ("train_gpt.py", ["--data=" + HERE], "is a folder: give a text file"),  # an IsADirectoryError traceback
     ("train_gpt.py", ["--tokenizer=foo"], "--tokenizer=foo: tiktoken has no such encoding; valid: gpt2"),  # 4 lines
     ("probe_ar.py", [], "give --model="),
     ("probe_ar.py", ["--model=nope.pt"], "no checkpoint at nope.pt"),
