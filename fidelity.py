@@ -152,7 +152,10 @@ def main(cfg):
     L, causal = len(model.blocks), model.blocks[0].attn.causal
     layer_ids = layer_list(cfg, L)
     pretrained.check_length(model, cfg["seq_len"])
-    lengths = [T for T in lengths if T <= model.block_size]
+    too_long = [T for T in lengths if T > model.block_size]  # the default lengths are MiniLM's
+    if too_long:
+        print(f"lengths past the model's {model.block_size} positions skipped: {too_long}")
+        lengths = [T for T in lengths if T <= model.block_size]
 
     cut = int(0.8 * len(text))
     gen = torch.Generator().manual_seed(cfg["seed"])

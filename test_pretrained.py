@@ -142,7 +142,7 @@ def test_oal_budget_smoke(tmp_path):
 
 
 @needs_transformers
-def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
+def test_fidelity_report_gpt2_path(monkeypatch, tmp_path, capsys):
     """The causal (GPT-2) path of fidelity.py end to end, on a small random GPT-2 and a character
     tokenizer standing in for the download: windows without [CLS]/[SEP], perplexity for conversion."""
     import fidelity
@@ -155,6 +155,7 @@ def test_fidelity_report_gpt2_path(monkeypatch, tmp_path):
     cfg = dict(fidelity.config, model="gpt2", maps="elu,hedgehog,lolcats", convert_maps="hedgehog,lolcats", steps=2, calib=2,
                test=2, seq_len=16, lengths="32,128", plots=False, results=str(tmp_path / "f.json"))
     fidelity.main(cfg)
+    assert "lengths past the model's 64 positions skipped: [128]" in capsys.readouterr().out  # it said nothing
     r = json.load(open(tmp_path / "f.json"))
     assert set(r["rows"][0]["by_length"]) == {"32"}  # 128 is past the model's 64 positions: skipped
     conv = r["conversion"]["all"]
