@@ -445,6 +445,16 @@ def test_unusable_text_is_refused(content, message, tmp_path):
     assert message in run_script("train_gpt.py", *TINY_GPT, "--data=data.txt", cwd=tmp_path, ok=False)
 
 
+def test_a_text_file_that_cannot_be_read_is_one_line(monkeypatch, tmp_path):
+    (tmp_path / "data.txt").write_text("text")  # readable: the test runs as any user, root too
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(gpt, "open", denied, raising=False)  # gpt.py's open, not the builtin for everyone
+    with pytest.raises(SystemExit, match="--data=.*data.txt cannot be read: Permission denied"):
+        gpt.load_text(str(tmp_path / "data.txt"))
+
+
 @needs_tokenizer
 def test_a_truncated_checkpoint_is_named_and_best_pt_offered(tmp_path):
     run_script("train_gpt.py", *TINY_GPT, cwd=tmp_path)
