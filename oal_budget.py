@@ -2,7 +2,7 @@
 OAL's group budget study (OAL Sec. 4.2) on a real pretrained model: how much of the benefit of
 dimension-aware kernel coefficients do a few contribution-based groups capture?
 
-    python oal_budget.py                    # all-MiniLM-L6-v2, all 6 layers x 12 heads, G = 1..5 and G = D (6 min on 2 cores)
+    python oal_budget.py                    # all-MiniLM-L6-v2, all 6 layers x 12 heads, G = 1..5 and G = D (about 5 min on 2 cores)
     python oal_budget.py --layers=3 --steps=600 --budgets=1,2
 
 For every layer, the frozen q, k, v of calibration windows (the same windows as fidelity.py), and for
