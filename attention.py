@@ -86,8 +86,7 @@ def attention_weights(q, k, fmap=None, causal=True, eps=DISTILL_EPS, window=0, g
     kernel (fmap.scores(q, k), the same as linear_weights(*fmap(q, k)), cheaper for the polynomial maps).
     eps = 1e-12 as in Hedgehog's distillation (Sec. 4.2); it only matters for all-zero rows.
     window > 0: LoLCATs' hybrid weights with gate g (hybrid_weights), or swa's if fmap is None."""
-    if q.dim() != 4 or q.shape != k.shape:  # a shorter k failed inside the causal mask, or broadcast
-        raise ValueError(f"expected q, k of shape (B, H, T, D) alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    check_shapes(q, k, None, "q, k")  # a shorter k failed inside the causal mask
     if window:
         return hybrid_weights(q, k, *_features(fmap, q, k), window, gate, causal)
     if fmap is not None:

@@ -169,13 +169,14 @@ def integers(cfg, key, low=0):
 
 def sizes(cfg, key, n):
     """Setting `key`'s comma-separated sizes of n integers >= 1 joined by x (e.g. 1x12x64), as tuples."""
+    got = entries(cfg, key)
     try:
-        values = [tuple(int(x) for x in size.split("x")) for size in str(cfg[key]).split(",")]
+        values = [tuple(int(x) for x in size.split("x")) for size in got]
     except ValueError:
         values = []
     if not values or any(len(v) != n or min(v) < 1 for v in values):
         sys.exit(f"error: --{key}={cfg[key]!r} is not a comma-separated list of sizes like {'x'.join('8' * n)}")
-    repeated(key, str(cfg[key]).split(","))
+    repeated(key, got)
     return values
 
 

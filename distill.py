@@ -60,7 +60,7 @@ def distill_loss(fmap, q, k, v=None, loss="xent", causal=True, window=0, gate=1.
         raise ValueError(f"loss must be 'xent', 'mse' or 'both', got {loss!r}")
     if loss != "xent" and v is None:
         raise ValueError(f"loss={loss!r} matches attention outputs, so it needs v")
-    check_shapes(q, k, q if v is None else v, "q, k")  # a shorter k would fail inside the causal mask
+    check_shapes(q, k, v, "q, k")  # a shorter k or v would fail inside the causal mask or a matmul
     total = 0.0
     if loss in ("xent", "both"):
         with torch.no_grad():

@@ -143,9 +143,7 @@ def main(cfg):
     writable(cfg, "results")
     lengths = integers(cfg, "lengths", 1)
     names = choices(cfg, "maps", ATTENTIONS[1:])  # every feature map, swa and lolcats
-    convert_names = choices(cfg, "convert_maps", ATTENTIONS[1:]) if cfg["convert_maps"] else []
-    if set(convert_names) - set(names):
-        raise SystemExit(f"error: convert_maps {sorted(set(convert_names) - set(names))} are not in maps")
+    convert_names = choices(cfg, "convert_maps", names) if cfg["convert_maps"] else []  # converts what it distilled
     text = load_text(cfg["text"], "text")
     model, encode, special = pretrained.load(cfg["model"])
     model.requires_grad_(False)

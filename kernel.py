@@ -756,11 +756,12 @@ def triton_covered(F_, Dv, D=0, SQ=0):
 
 
 def check_shapes(a, b, v, names="qf, kf"):
-    """a, b (B, H, T, .) alike (qf, kf here; q, k too in attention.py) and v (B, H, T, Dv), or one ValueError
-    naming the shapes: a mismatch would otherwise fail inside a matmul, or broadcast."""
-    if a.dim() != 4 or a.shape != b.shape or v.dim() != 4 or v.shape[:3] != a.shape[:3]:
-        raise ValueError(f"expected {names} of shape (B, H, T, .) alike and v of shape (B, H, T, Dv); got "
-                         f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(v.shape)}")
+    """a, b (B, H, T, .) alike (qf, kf here; q, k too in attention.py) and v (B, H, T, Dv) unless None, or one
+    ValueError naming the shapes: a mismatch would otherwise fail inside a matmul, or broadcast."""
+    if a.dim() != 4 or a.shape != b.shape or (v is not None and (v.dim() != 4 or v.shape[:3] != a.shape[:3])):
+        what = f"{names} of shape (B, H, T, .) alike" + ("" if v is None else " and v of shape (B, H, T, Dv)")
+        got = ", ".join(str(tuple(x.shape)) for x in (a, b, v) if x is not None)
+        raise ValueError(f"expected {what}; got {got}")
 
 
 def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):

@@ -250,7 +250,7 @@ def test_the_public_forms_refuse_shapes_that_do_not_fit():
             with pytest.raises(ValueError, match=f"expected {names} of shape \\(B, H, T, \\.\\) alike"):
                 form(*bad)
     for bad in [(q, k[:, :, :5], None), (q[0], k[0], None), (q, k[:, :, :5], fm.make_feature_map("elu", 8))]:
-        with pytest.raises(ValueError, match="expected q, k of shape \\(B, H, T, D\\) alike"):
+        with pytest.raises(ValueError, match="expected q, k of shape \\(B, H, T, \\.\\) alike; got"):
             attention_weights(*bad)  # the weights: a RuntimeError inside the causal mask
     mha = MultiHeadAttention(16, 2, attention="hedgehog")
     for bad in (torch.randn(2, 8, 12), torch.randn(8, 16)):  # the wrong width; no batch dimension

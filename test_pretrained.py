@@ -182,7 +182,7 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
 
 def test_fidelity_rejects_bad_settings():
     for args, message in ((["--maps=elu,nope"], "--maps: unknown nope; valid: swa, lolcats, elu"),
-                          (["--maps=elu", "--convert_maps=hedgehog"], "not in maps")):
+                          (["--maps=elu", "--convert_maps=hedgehog"], "--convert_maps: unknown hedgehog; valid: elu")):
         assert message in run_script("fidelity.py", *args, ok=False)
 
 
