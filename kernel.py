@@ -706,7 +706,8 @@ def _flat(qf, kf, v, qs, ks, lam, c, base):
 
 
 class _TritonLinearAttention(torch.autograd.Function):
-    """The Triton path: pass 1 (chunk states) then pass 2 (outputs), and the same two passes backward."""
+    """The Triton path: pass 1 (chunk states) then pass 2 (outputs), or the fused pass, and backward pass 1
+    twice (the states forward and backward) then the gradient kernels."""
 
     @staticmethod
     def forward(ctx, qf, kf, v, eps, qs, ks, lam, c, base):
