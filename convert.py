@@ -11,10 +11,12 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
                  its attention transfer, the MSE on the outputs; early stopping on validation
     3. finetune  stage 2: LoRA (rank 8, alpha 16) on q, k, v, o of every layer, or full finetuning,
                  (the "softmax" method finetunes the unconverted teacher the same way: the fair baseline)
-                 feature maps trainable too, on the language-modelling loss
+                 feature maps and lolcats' gates trainable too (--finetune_maps=false freezes them, as
+                 LoLCATs' LoRA stage does), on the language-modelling loss
 
     python convert.py                                     # every method on the same budget
     python convert.py --methods=softmax,hedgehog,swa,lolcats-untrained,lolcats --seeds=0,1,2   # LoLCATs' Table 6
+    python convert.py --methods=hedgehog,lolcats --finetune_maps=false   # LoLCATs' stage 2: the adapters alone
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
@@ -38,6 +40,7 @@ import torch.nn as nn
 import distill
 from attention import attention_weights, entropy
 from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, pyplot, writable
+from feature_maps import Hedgehog
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -52,6 +55,8 @@ distill_lr = 1e-2  # Hedgehog App. B: AdamW, lr 1e-2, no weight decay
 finetune = "lora"  # "lora" or "full"
 finetune_iters = 60
 finetune_lr = 1e-3
+map_init = "identity"  # Hedgehog maps: "identity" (Hedgehog's init) or "random" (LoLCATs': W kaiming-uniform)
+finetune_maps = True  # stage 2 trains the feature maps and lolcats' gates too (Hedgehog Sec. 5.3); False: frozen, as LoLCATs
 lora_r = 8
 lora_alpha = 16
 batch_size = 16
@@ -97,10 +102,16 @@ def add_lora(model, r, alpha):
             setattr(block.attn, name, LoRA(getattr(block.attn, name), r, alpha))
 
 
-def swap(model, attention, layer_ids, window=16):
-    """Put a fresh feature map, window or hybrid behind q, k, v, o of the given layers (their weights are kept)."""
+def swap(model, attention, layer_ids, window=16, map_init="identity"):
+    """Put a fresh feature map, window or hybrid behind q, k, v, o of the given layers (their weights are kept).
+    map_init="random" starts Hedgehog maps as LoLCATs' configs do: W kaiming-uniform (its bias stays 0 at first)."""
     for i in layer_ids:
-        model.blocks[i].attn.use(attention, window)
+        attn = model.blocks[i].attn
+        attn.use(attention, window)
+        if map_init == "random" and isinstance(attn.fmap, Hedgehog):
+            for W in (attn.fmap.W, attn.fmap.Wk):
+                if W is not None:
+                    nn.init.kaiming_uniform_(W.data)  # (H, D, D): fan-in D D, as LoLCATs' (H, D, F) has D F
 
 
 def trainable_attention(attn):
@@ -170,16 +181,16 @@ def stop_if_not_finite(loss, where, lr_key, cfg):
 
 
 def finetune_model(model, train_ids, cfg, dev):
-    """Stage 2: LoRA on q, k, v, o (or everything) plus the feature maps, on next-token loss."""
+    """Stage 2: LoRA on q, k, v, o (or everything) plus, with finetune_maps, the feature maps and gates, on
+    next-token loss."""
     if cfg["finetune"] == "lora":
-        for p in model.parameters():
-            p.requires_grad_(False)
+        model.requires_grad_(False)
         add_lora(model, cfg["lora_r"], cfg["lora_alpha"])
-        for block in model.blocks:
-            for p in trainable_attention(block.attn):
-                p.requires_grad_(True)
     else:
         model.requires_grad_(True)
+    for block in model.blocks:
+        for p in trainable_attention(block.attn):
+            p.requires_grad_(cfg["finetune_maps"])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["finetune_lr"], weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -233,7 +244,7 @@ def convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, la
         return {"method": name, "val_ppl": ppl(model), "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
                 "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "entropy": softmax_entropy(teacher, probe, layer_ids)}, model
     attention, loss = METHODS[name]
-    swap(model, attention, layer_ids, cfg["window"])
+    swap(model, attention, layer_ids, cfg["window"], cfg["map_init"])
     window = model.blocks[layer_ids[0]].attn.window
     print(f"{name}: {attention} in layers {layer_ids}" + (f", window {window}" if window else ""))
     if attention == "oal":
@@ -252,6 +263,7 @@ def main(cfg):
     names = choices(cfg, "methods", ["softmax", *METHODS])
     one_of(cfg, "layers", ("all", "middle"))
     one_of(cfg, "finetune", ("lora", "full"))
+    one_of(cfg, "map_init", ("identity", "random"))
     at_least(cfg, 0, "distill_iters", "finetune_iters")
     at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
     positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")

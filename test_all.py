@@ -495,4 +495,4 @@ def test_no_float64_in_a_training_step_of_each_script(torch_path):
         qkv = distill.layer_qkv(teacher, torch.randint(0, 50, (2, 24)), [0])
         distill.distill_loss(model.blocks[0].attn.fmap, *qkv[0], loss="both").backward()
         convert.finetune_model(model, torch.randint(0, 50, (200,)), dict(finetune="lora", lora_r=2, lora_alpha=4,
-                               finetune_lr=1e-3, finetune_iters=1, seed=0, batch_size=2), "cpu")
+                               finetune_lr=1e-3, finetune_iters=1, seed=0, batch_size=2, finetune_maps=True), "cpu")

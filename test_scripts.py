@@ -76,15 +76,17 @@ def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
     assert model.generate(idx[:, :3], 5).shape == (4, 8)
 
 
-def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
+@pytest.mark.parametrize("finetune_maps", [True, False])
+def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path, finetune_maps):
     """After add_lora the model computes exactly what it did; a training step then moves the adapters
-    (and the feature maps) and nothing else."""
-    model = tiny_gpt("hedgehog").double()
+    (and the feature maps and gates, unless finetune_maps is False, LoLCATs' recipe) and nothing else."""
+    model = tiny_gpt("lolcats", window=4).double()  # a window shorter than the sequence: the maps matter
     idx = torch.randint(0, 50, (2, 20))
     before = model(idx)[0]
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
     convert.finetune_model(model, idx.flatten().repeat(4), dict(finetune="lora", lora_r=4, lora_alpha=8, finetune_lr=1e-2,
-                                                                finetune_iters=0, seed=0, batch_size=2), "cpu")
+                                                                finetune_iters=0, seed=0, batch_size=2,
+                                                                finetune_maps=finetune_maps), "cpu")
     assert torch.equal(model(idx)[0], before)  # B = 0 at the start
     lora = [n for n, _ in model.named_parameters() if n.endswith((".A", ".B"))]
     assert len(lora) == 2 * 4 * 2  # A and B on q, k, v, o of 2 layers
@@ -93,10 +95,28 @@ def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path):
     opt.step()
     for n, p in model.named_parameters():
         base = n.replace(".base", "")
-        if n.endswith(".B") or ".fmap." in n:
+        if n.endswith(".B") or (finetune_maps and (".fmap." in n or n.endswith(".gate"))):
             assert not torch.equal(p, frozen.get(base, torch.zeros_like(p))), n  # trained
         elif base in frozen:
             assert torch.equal(p, frozen[base]), n  # frozen: embeddings, projections, MLP, norms
+
+
+def test_swap_starts_hedgehog_maps_as_asked(torch_path):
+    """map_init: Hedgehog's identity, or LoLCATs' kaiming-uniform W (|W| <= sqrt(6 / (D D)) at D x D), q's and k's
+    drawn apart, the bias 0."""
+    for attention in ("hedgehog", "lolcats"):
+        for init in ("identity", "random"):
+            model = tiny_gpt()
+            convert.swap(model, attention, [0, 1], window=4, map_init=init)
+            fmap = model.blocks[1].attn.fmap
+            Ws = [W for W in (fmap.W, fmap.Wk) if W is not None]
+            assert len(Ws) == (2 if attention == "lolcats" else 1) and not fmap.b.any()
+            eye = torch.eye(Ws[0].shape[-1]).expand_as(Ws[0])
+            bound = (6 / Ws[0].shape[-1] ** 2) ** 0.5
+            for W in Ws:
+                assert torch.equal(W, eye) if init == "identity" else bool(W.abs().max() <= bound and W.std() > bound / 3)
+            if init == "random" and attention == "lolcats":
+                assert not torch.equal(fmap.W, fmap.Wk)
 
 
 def test_swap_keeps_projections_and_layer_qkv_matches_model():
