@@ -90,14 +90,16 @@ def compile_launch(fn, args, meta, arch):
         if param.is_constexpr:
             signature[param.name], constexprs[(i,)] = "constexpr", arg
             continue
-        ty, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize, True)  # ("i32", "D"): divisible by 16
+        # ("i32", "D"): an int divisible by 16
+        ty, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize, True)
         signature[param.name] = ty
         if ty == "constexpr":  # an int equal to 1 is compiled in as a constant
             constexprs[(i,)] = spec
         elif spec:
             attrs[(i,)] = BaseBackend.parse_attr(spec)
     options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                              options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -135,11 +137,12 @@ def build_check(archs=(80, 90), dtypes=(torch.float32, torch.bfloat16), T=4096, 
                 print(f"{time.time() - t0:4.0f} s, {len(seen)} compiled: {str(dtype).removeprefix('torch.')}, F = {F_}"
                       + (f" (closed form, D = {D}, {SQ} terms)" if SQ else ""), flush=True)
             for fn, grid, args, meta in recorded_launches(F_, Dv, T, dtype, D, SQ):
-                specs = tuple(None if torch.is_tensor(a) else a for a in args)  # ints matter (divisibility), pointers by dtype
+                # ints matter (divisibility), pointers by dtype
+                specs = tuple(None if torch.is_tensor(a) else a for a in args)
                 dtypes_in = tuple(a.dtype for a in args if torch.is_tensor(a))
                 for arch in archs:
-                    key = (fn.fn.__name__, arch, dtypes_in, tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs),
-                           tuple(sorted(meta.items())))
+                    ints = tuple((a % 16 == 0, a == 1) if isinstance(a, int) else a for a in specs)
+                    key = (fn.fn.__name__, arch, dtypes_in, ints, tuple(sorted(meta.items())))
                     if key not in seen:
                         seen[key] = compile_launch(fn, args, meta, arch)
                     shared, regs, stack = seen[key]

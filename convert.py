@@ -232,7 +232,8 @@ def load_teacher(cfg, dev):
     tokenizer = ck["config"].get("tokenizer", "cl100k_base")
     train_ids, val_ids, vocab, _ = prepare(ck["config"]["data"], tokenizer)
     if not torch.equal(vocab, ck["vocab"]):
-        raise SystemExit(f"error: {ck['config']['data']!r} tokenised with {tokenizer} no longer gives the checkpoint's vocabulary")
+        raise SystemExit(f"error: {ck['config']['data']!r} tokenised with {tokenizer} no longer gives the "
+                         "checkpoint's vocabulary")
     return model, train_ids, val_ids
 
 
@@ -293,10 +294,12 @@ def main(cfg):
             t0 = time.time()
             torch.manual_seed(seed)  # each method's random inits (feature maps, LoRA) from the same seed
             try:
-                record, model = convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids, ppl, run, dev)
+                record, model = convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, layer_ids,
+                                            ppl, run, dev)
             except Diverged as e:
                 save(done + records + [{"method": name, "seed": seed, "stopped": str(e), "config": run}], cfg)
-                raise SystemExit(f"error: {name}: {e}; conversion stopped, the methods before it are in {cfg['results']}") from None
+                raise SystemExit(f"error: {name}: {e}; conversion stopped, the methods before it are in "
+                                 f"{cfg['results']}") from None
             records.append(dict(record, seed=seed, seconds=time.time() - t0, config=run))
             print(f"{name}: val ppl swap {record['val_ppl_swap']:.2f} -> distil {record['val_ppl_distill']:.2f} -> finetune "
                   f"{record['val_ppl']:.2f}; KL {record['kl']:.3f}, entropy {record['entropy']:.2f}, monotonicity "

@@ -160,7 +160,8 @@ def main(cfg):
     train_ids, test_tok = torch.tensor(encode(text[:cut])), torch.tensor(encode(text[cut:]))
     calib_x = pretrained.windows(train_ids, cfg["calib"], cfg["seq_len"], special, gen)
     test_x = {T: pretrained.windows(test_tok, cfg["test"], T, special, gen) for T in [cfg["seq_len"]] + lengths}
-    val_x = pretrained.windows(train_ids, cfg["val"], cfg["seq_len"], special, gen)  # held out from calibration: best checkpoint
+    # held out from calibration: it picks the best checkpoint
+    val_x = pretrained.windows(train_ids, cfg["val"], cfg["seq_len"], special, gen)
     sents = held_out_sentences(text[cut:], encode, special, cfg["sentences"], cfg["seq_len"]) if special else []
     print(f"{cfg['model']}: {L} layers, {model.blocks[0].attn.n_head} heads of {model.blocks[0].attn.head_dim}, "
           f"{'bidirectional' if not causal else 'causal'}; calibration {tuple(calib_x.shape)}, held-out windows at "
@@ -185,8 +186,8 @@ def main(cfg):
                    "rel_mse_out": distill.output_rel_mse(attn, s.fmap, q, k, v, s.window, s.g())[1]}
             row["by_length"] = {T: student_mimicry(s, *test_qkv[T][i], monotonicity=False) for T in lengths}
             rows.append(row)
-            print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  after o {row['rel_mse_out']:.3f}  "
-                  f"({time.time() - t:.1f} s)", flush=True)
+            print(f"layer {i} {name:<12} kl {row['kl']:.3f}  rel_mse {row['rel_mse']:.3f}  "
+                  f"after o {row['rel_mse_out']:.3f}  ({time.time() - t:.1f} s)", flush=True)
 
     # part 4: conversion with the distilled maps
     middle = layer_ids[1:-1] if len(layer_ids) > 2 else layer_ids
@@ -216,7 +217,8 @@ def report(rows, names, lengths, contrib, groups, convert, cfg):
     summary = {}
     print(f"\nmean over layers, held-out windows of {cfg['seq_len']} tokens (softmax entropy "
           f"{mean(names[0], lambda r: r['entropy_softmax']):.2f} nats); KL at longer lengths on the right")
-    print(f"{'map':<12} {'KL':>7} {'RelMSE':>7} {'after o':>7} {'entropy':>7} {'monot.':>7}" + "".join(f" {'KL@' + str(T):>7}" for T in lengths))
+    print(f"{'map':<12} {'KL':>7} {'RelMSE':>7} {'after o':>7} {'entropy':>7} {'monot.':>7}"
+          + "".join(f" {'KL@' + str(T):>7}" for T in lengths))
     for name in names:
         s = {key: mean(name, lambda r: r[key]) for key in ("kl", "rel_mse", "rel_mse_out", "entropy", "monotonicity")}
         s["kl_by_length"] = {T: mean(name, lambda r: r["by_length"][T]["kl"]) for T in lengths}
@@ -267,7 +269,8 @@ def plot(model, students, names, layer_ids, qkv, contrib, groups, prefix):
     for ax, (n, w) in zip(axes.flat, panels):
         ax.imshow(w[0, 0].numpy(), cmap="viridis", vmin=0, vmax=vmax)
         ax.set_title(n, fontsize=9)
-    fig.suptitle(f"layer {i}, head 0: attention weights on a held-out window (colour scale clipped at softmax's 99th percentile)")
+    fig.suptitle(f"layer {i}, head 0: attention weights on a held-out window "
+                 "(colour scale clipped at softmax's 99th percentile)")
     fig.tight_layout()
     fig.savefig(prefix + "_attention.png", dpi=110)
 

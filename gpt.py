@@ -86,7 +86,8 @@ def prepare(name, tokenizer="cl100k_base", block_size=1):
     for part, size in (("training", n), ("validation", len(compact) - n)):
         if size <= block_size + 1:
             raise SystemExit(f"error: --data={name}: {len(ids)} tokens leave {size} for {part}, but a window of "
-                             f"block_size={block_size} needs more than {block_size + 1}: use a longer text or a smaller --block_size")
+                             f"block_size={block_size} needs more than {block_size + 1}: use a longer text or a "
+                             "smaller --block_size")
     return compact[:n], compact[n:], vocab, enc
 
 

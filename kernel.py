@@ -744,8 +744,9 @@ def _code_key(F_, Dv, D=0, SQ=0):
     return repr(_configs(F_, Dv, SQ > 0)), SQ, SQ and _tile(D, 128), tuple((n % 16 == 0, n == 1) for n in sizes)
 
 
-COVERED = ({_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV} |
-           {_code_key(1 + D + D * (D + 1) // 2, Dv, D, SQ) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV}) if HAS_TRITON else set()
+COVERED = set() if not HAS_TRITON else (
+    {_code_key(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV}
+    | {_code_key(1 + D + D * (D + 1) // 2, Dv, D, SQ) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV})
 _said = set()
 
 
@@ -788,8 +789,8 @@ def causal_linear_attention(qf, kf, v, eps=EPS, backend="auto", squares=None):
         H, D, SQ = qf.shape[1], qs.shape[-1], lam.shape[1] if lam.dim() == 3 else 0
         if qs.shape[:3] != qf.shape[:3] or ks.shape != qs.shape or lam.shape != (H, SQ, D) or SQ == 0 \
                 or c.shape != (H, SQ) or base.shape != (H,):
-            raise ValueError("squares: expected q, k (B, H, T, D) with qf's B, H, T, lam (H, SQ, D), c (H, SQ), base (H,); got "
-                             + ", ".join(str(tuple(x.shape)) for x in squares))
+            raise ValueError("squares: expected q, k (B, H, T, D) with qf's B, H, T, lam (H, SQ, D), c (H, SQ), "
+                             "base (H,); got " + ", ".join(str(tuple(x.shape)) for x in squares))
     triton_ok = HAS_TRITON and (qf.is_cuda or (INTERPRET and qf.device.type == "cpu")) and D <= 128
     too_old = f"triton {TRITON_VERSION} is older than {TRITON_MIN[0]}.{TRITON_MIN[1]}, the oldest the kernels are built with"
     if backend == "auto":

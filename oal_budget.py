@@ -2,7 +2,8 @@
 OAL's group budget study (OAL Sec. 4.2) on a real pretrained model: how much of the benefit of
 dimension-aware kernel coefficients do a few contribution-based groups capture?
 
-    python oal_budget.py                    # all-MiniLM-L6-v2, all 6 layers x 12 heads, G = 1..5 and G = D (about 5 min on 2 cores)
+    python oal_budget.py                    # all-MiniLM-L6-v2, all 6 layers x 12 heads, G = 1..5 and G = D
+                                            # (about 5 min on 2 cores)
     python oal_budget.py --layers=3 --steps=600 --budgets=1,2
 
 For every layer, the frozen q, k, v of calibration windows (the same windows as fidelity.py), and for
@@ -136,7 +137,8 @@ def report(rows, D):
         rs = [r for r in rows if r["kind"] == kind and r["G"] == G]
         heads = heads_of[(kind, G)]
         below = None if one_group is None else sum(x < y for x, y in zip(heads, one_group))
-        s = {"kind": kind, "G": G, "rel_mse": sum(heads) / len(heads), "rel_mse_out": sum(r["rel_mse_out"] for r in rs) / len(rs),
+        s = {"kind": kind, "G": G, "rel_mse": sum(heads) / len(heads),
+             "rel_mse_out": sum(r["rel_mse_out"] for r in rs) / len(rs),
              "skewed_head": next((r["rel_mse_heads"][skewed[1]] for r in rs if r["layer"] == skewed[0]), None),
              "heads_below_one_group": below}
         summary["results"].append(s)

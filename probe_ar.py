@@ -211,7 +211,8 @@ def main(cfg):
     print(f"  on the first answer {max(result['layer1_first_answer']):.3f}, "
           f"on the later ones {max(result['layer1_later_answers']):.3f}")
     bins = result["truncation"]["as trained"]
-    print("test accuracy with layer 0's attention as below: over all sequences, and by the pair where the query key first occurs")
+    print("test accuracy with layer 0's attention as below: over all sequences, and by the pair where the query key "
+          "first occurs")
     print(f"{'':>28} " + " ".join(f"{b} ({n})".rjust(11) for b, (n, _) in bins.items()))
     for name, row in result["truncation"].items():
         print(f"{name:>28} " + " ".join(f"{acc:11.3f}" for _, acc in row.values()))

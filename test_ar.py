@@ -167,7 +167,8 @@ def test_train_ar_smoke(tmp_path):
     records = json.load(open(tmp_path / "ar.json"))
     assert [r["attention"] for r in records] == ["softmax", "exp_norm_t2", "oal"]
     for r in records:
-        losses = [float(x) for x in re.findall(rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)", out)]
+        line = rf"{r['attention']} F={r['features']} seed 0 \| epoch \d: train loss ([\d.]+)"
+        losses = [float(x) for x in re.findall(line, out)]
         assert len(losses) == 3 and losses[-1] < losses[0], (r["attention"], losses)
         name, kw = train_ar.VARIANTS.get(r["attention"], (r["attention"], {}))
         assert r["params"] == sum(p.numel() for p in ar.ARModel(name, qk_dim=r["qk_dim"], **kw).parameters())
@@ -292,7 +293,8 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
         w0 = model(x, return_weights=True)[1][0][:, 0]  # (N, T, T)
     rows = [i for i in range(x.shape[1]) if i % 2 == 1 and x.shape[1] // 2 <= i < 32]
     for d in (0, 1, 5):
-        assert result["layer0"][d][0] == pytest.approx(sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows), rel=1e-5)
+        expected = sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows)
+        assert result["layer0"][d][0] == pytest.approx(expected, rel=1e-5)
     by_pair = result["layer0_own_key_by_pair"]  # every pair's value, the second half's among them
     assert len(by_pair) == 16
     assert sum(by_pair[p][0] for p in range(8, 16)) / 8 == pytest.approx(result["layer0"][1][0], rel=1e-5)
@@ -301,7 +303,8 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     with torch.no_grad():
         w1 = model(x, return_weights=True)[1][1][:, 0, -1]  # (N, T): the query row
     firsts = [next(i for i in range(1, 33) if x[n, i - 1] == x[n, -1]) for n in range(120)]
-    assert result["layer1_first_answer"][0] == pytest.approx(sum(w1[n, i].item() for n, i in enumerate(firsts)) / 120, rel=1e-5)
+    expected = sum(w1[n, i].item() for n, i in enumerate(firsts)) / 120
+    assert result["layer1_first_answer"][0] == pytest.approx(expected, rel=1e-5)
     assert (result["layer1_first_answer"][0] + result["layer1_later_answers"][0]
             == pytest.approx(result["layer1_answer"][2][0], rel=1e-5))
     on_keys = sum(w0[:, i, 0:i + 1:2].sum(-1).mean().item() for i in rows) / len(rows)
@@ -424,7 +427,8 @@ def test_plot_ar_compares_runs_at_equal_budgets():
     assert header.split()[2:] == ["epoch", "5", "epoch", "10", "epoch", "20", "epoch", "30"]
     at5 = torch.tensor([0.1, 0.995, 0.3])
     at10 = torch.tensor([0.4, 0.995])
-    assert row.split("  ")[-4:] == [f" {at5.mean():.2f} ± {at5.std():.2f} (3/3)"] + [f" {at10.mean():.2f} ± {at10.std():.2f} (2/3)"] * 3
+    assert row.split("  ")[-4:] == ([f" {at5.mean():.2f} ± {at5.std():.2f} (3/3)"]
+                                    + [f" {at10.mean():.2f} ± {at10.std():.2f} (2/3)"] * 3)
     assert plot_ar.at_epochs([solved, run([0.3] * 4)]) == ""  # no run passes epoch 5
 
 
@@ -447,7 +451,8 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     assert (merged / "ar_entropy.png").exists() and (merged / "ar_curves.png").exists()
 
     # seed 1 as a 1-epoch run stopped by a time cap, and the same run carried on to 2 epochs, in either order
-    cut = lambda r: dict(r, epochs=1, test_acc_per_epoch=r["test_acc_per_epoch"][:1], config=dict(r["config"], max_minutes=1))
+    cut = lambda r: dict(r, epochs=1, test_acc_per_epoch=r["test_acc_per_epoch"][:1],
+                         config=dict(r["config"], max_minutes=1))
     json.dump([cut(r) for r in records if r["seed"] == 1], open(tmp_path / "seed1_cut.json", "w"))
     for runs in (tmp_path / "seed*.json", ",".join(str(tmp_path / f"{n}.json") for n in ("seed0", "seed1_cut", "seed1"))):
         run_script("plot_ar.py", f"--runs={runs}", f"--out_dir={merged}", "--plots=false")

@@ -46,7 +46,8 @@ def test_every_link_in_the_docs_resolves(doc):
 def script_settings(script):
     """The settings a script takes: its config block, or the dict its __main__ hands to configure()."""
     for node in ast.walk(ast.parse(open(os.path.join(HERE, script)).read())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "configure" and isinstance(node.args[0], ast.Dict):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "configure"
+                and isinstance(node.args[0], ast.Dict)):
             return {key.value for key in node.args[0].keys}
     return set(importlib.import_module(script[:-3]).config)
 

@@ -286,7 +286,8 @@ def test_auto_backend_covers_the_build_checked_sizes():
         pytest.skip("triton is not installed")
     assert all(kernel.triton_covered(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV)
     assert kernel.triton_covered(4161, 64)  # same tiles and divisibility as 2145
-    assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)  # an int of 1 is compiled in; Dv 130: untested tiles
+    # an int of 1 is compiled in; Dv 130: untested tiles
+    assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)
     assert all(kernel.triton_covered(1 + D + D * (D + 1) // 2, dv, D, SQ)
                for D, SQ in kernel.BUILD_SQUARES for dv in kernel.BUILD_DV)
     assert not kernel.triton_covered(2145, 64, 64, 3)  # 3 terms (OAL with 2 groups) are another compilation
@@ -301,7 +302,8 @@ def test_an_older_triton_counts_as_absent(tmp_path):
     (tmp_path / "triton" / "language.py").write_text("")
     code = ("import torch, kernel\n"
             "x = torch.rand(1, 2, 9, 4)\n"
-            "print(kernel.HAS_TRITON, torch.equal(kernel.causal_linear_attention(x, x, x), kernel.causal_linear_attention(x, x, x, backend='torch')))\n"
+            "print(kernel.HAS_TRITON, torch.equal(kernel.causal_linear_attention(x, x, x),\n"
+            "                                     kernel.causal_linear_attention(x, x, x, backend='torch')))\n"
             "try:\n    kernel.causal_linear_attention(x, x, x, backend='triton')\n"
             "except RuntimeError as e:\n    print(e)\n")
     (tmp_path / "check.py").write_text(code)
@@ -310,7 +312,8 @@ def test_an_older_triton_counts_as_absent(tmp_path):
                    "are built with. Use backend='torch'."], out
 
 
-@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton),
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32),
+                                           pytest.param("triton", torch.float32, marks=needs_triton),
                                            pytest.param("triton", torch.bfloat16, marks=needs_triton)])
 @pytest.mark.parametrize("name", POLYNOMIAL)
 @pytest.mark.parametrize("T,D", [(70, 12), (130, 16)])

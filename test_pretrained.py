@@ -50,7 +50,8 @@ def test_minilm_attention_recomputed_from_the_raw_weights(minilm):
     ids = torch.tensor([tok.encode(SENTENCES[0]).ids])  # [CLS] ... [SEP]
     T = ids.shape[1]
     e = "embeddings."
-    x = w[e + "word_embeddings.weight"][ids[0]] + w[e + "position_embeddings.weight"][:T] + w[e + "token_type_embeddings.weight"][0]
+    x = (w[e + "word_embeddings.weight"][ids[0]] + w[e + "position_embeddings.weight"][:T]
+         + w[e + "token_type_embeddings.weight"][0])
     x = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + 1e-12).sqrt()
     x = x * w[e + "LayerNorm.weight"] + w[e + "LayerNorm.bias"]  # (T, 384)
     a = "encoder.layer.0.attention.self."
@@ -129,8 +130,9 @@ def test_missing_packages_give_a_clear_message(monkeypatch):
 
 @needs_minilm
 def test_fidelity_report_smoke(tmp_path):
-    run_script("fidelity.py", "--maps=elu,hedgehog,oal,swa,lolcats", "--convert_maps=elu,hedgehog,lolcats", "--steps=3", "--calib=2",
-               "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False", f"--results={tmp_path / 'f.json'}")
+    run_script("fidelity.py", "--maps=elu,hedgehog,oal,swa,lolcats", "--convert_maps=elu,hedgehog,lolcats", "--steps=3",
+               "--calib=2", "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False",
+               f"--results={tmp_path / 'f.json'}")
     r = json.load(open(tmp_path / "f.json"))
     assert len(r["rows"]) == 6 * 5 and set(r["summary"]) == {"elu", "hedgehog", "oal", "swa", "lolcats"}
     for row in r["rows"]:

@@ -215,7 +215,8 @@ def train_one(attention, features, seed, data, cfg, dev):
             if not torch.isfinite(loss):  # stop this run; main() reports it and exits with status 1
                 print(f"{attention} F={F_} seed {seed}: step {step}: the training loss is {loss.item()}; this run stops "
                       f"(try a lower --lr, now {cfg['lr']})", flush=True)
-                return {"attention": attention, "seed": seed, "features": F_, "stopped": f"loss {loss.item()} at step {step}"}
+                return {"attention": attention, "seed": seed, "features": F_,
+                        "stopped": f"loss {loss.item()} at step {step}"}
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

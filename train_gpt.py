@@ -125,7 +125,8 @@ def main(cfg):
         if cfg["max_iters"] <= start:
             raise SystemExit(f"error: --max_iters={cfg['max_iters']} is not past the checkpoint's step {start}")
     if master:
-        print(f"data {cfg['data']} ({cfg['tokenizer']}): {len(train_ids)} train / {len(val_ids)} val tokens, vocab {len(vocab)}; "
+        print(f"data {cfg['data']} ({cfg['tokenizer']}): {len(train_ids)} train / {len(val_ids)} val tokens, "
+              f"vocab {len(vocab)}; "
               f"{cfg['attention']} GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
               + (f"; resumed at step {start}" if start else ""))
     raw = model
@@ -197,7 +198,8 @@ def diverged(cfg, it, which, value, saved, master):
             json.dump(records + [{"attention": cfg["attention"], "stopped": f"{which} loss {value} at step {it}",
                                   "last_checkpoint_step": saved, "config": cfg}], f, indent=1)
     kept = f"{cfg['out_dir']}/ckpt.pt and best.pt keep step {saved}" if saved is not None else "no checkpoint was written"
-    raise SystemExit(f"error: step {it}: the {which} loss is {value}; training stopped ({kept}); try a lower --lr (now {cfg['lr']})")
+    raise SystemExit(f"error: step {it}: the {which} loss is {value}; training stopped ({kept}); "
+                     f"try a lower --lr (now {cfg['lr']})")
 
 
 if __name__ == "__main__":
