@@ -240,7 +240,7 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
 
 
 @pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_train_ar_resume_carries_a_run_on_exactly(tmp_path, dev):
+def test_train_ar_resume_carries_a_run_on_exactly(tmp_path, dev, torch_path):
     """A run stopped by its time cap after epoch 1 and carried on (--init_from=resume) is the run that was
     never stopped: the same record to the last digit (dropout and the shuffle draw from restored random
     states, AdamW and the warm-up schedule go on from theirs), its time aside; on a GPU too, where dropout
