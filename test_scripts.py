@@ -1,6 +1,7 @@
 """
 The scripts as a user runs them: the kernel benchmarks, the GPT and its conversion, tokenizer,
-checkpoints, resume, decoding, and one-line refusals of bad input (associative recall: test_ar.py).
+checkpoints, resume, decoding, and one-line refusals of bad input (associative recall: test_ar.py;
+convert.py's parts: test_convert.py).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -14,8 +15,6 @@ import pytest
 import torch
 
 import bench_kernel
-import convert
-import distill
 import gpt
 from gpt import load_checkpoint, save_checkpoint
 from test_all import HERE, NAMES, run_script, tiny_gpt
@@ -44,94 +43,6 @@ def test_closed_form_benchmark_runs(tmp_path):
     assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal")
                                                       for w in ("scores", "chunked attention")}
     assert all(r["features_ms"] > 0 and r["closed_form_ms"] > 0 for r in rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# the GPT, conversion, LoRA
-
-
-@pytest.mark.parametrize("name", ["softmax"] + NAMES)
-def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
-    """train_gpt.py's model with each attention, as the script builds it (no extra arguments: cosFormer
-    must get its fixed length from the GPT): a few AdamW steps on one batch lower the loss, then decoding
-    token by token (KV cache or (S, z) state) gives the parallel forward's logits, and generate() runs."""
-    model = tiny_gpt(name)
-    idx = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
-    model.double()
-    logits, _ = model(idx[:, :20])
-    caches, steps = [None, None], []
-    for t in range(20):
-        step_logits, caches = model.step(idx[:, t], t, caches)
-        steps.append(step_logits)
-    assert torch.allclose(torch.stack(steps, 1), logits, atol=1e-6)
-    assert model.generate(idx[:, :3], 5).shape == (4, 8)
-
-
-@pytest.mark.parametrize("finetune_maps", [True, False])
-def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path, finetune_maps):
-    """After add_lora the model computes exactly what it did; a training step then moves the adapters
-    (and the feature maps and gates, unless finetune_maps is False, LoLCATs' recipe) and nothing else."""
-    model = tiny_gpt("lolcats", window=4).double()  # a window shorter than the sequence: the maps matter
-    idx = torch.randint(0, 50, (2, 20))
-    before = model(idx)[0]
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
-    convert.finetune_model(model, idx.flatten().repeat(4), dict(finetune="lora", lora_r=4, lora_alpha=8, finetune_lr=1e-2,
-                                                                finetune_iters=0, seed=0, batch_size=2,
-                                                                finetune_maps=finetune_maps), "cpu")
-    assert torch.equal(model(idx)[0], before)  # B = 0 at the start
-    lora = [n for n, _ in model.named_parameters() if n.endswith((".A", ".B"))]
-    assert len(lora) == 2 * 4 * 2  # A and B on q, k, v, o of 2 layers
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model(idx, idx)[1].backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        base = n.replace(".base", "")
-        if n.endswith(".B") or (finetune_maps and (".fmap." in n or n.endswith(".gate"))):
-            assert not torch.equal(p, frozen.get(base, torch.zeros_like(p))), n  # trained
-        elif base in frozen:
-            assert torch.equal(p, frozen[base]), n  # frozen: embeddings, projections, MLP, norms
-
-
-def test_swap_starts_hedgehog_maps_as_asked(torch_path):
-    """map_init: Hedgehog's identity, or LoLCATs' kaiming-uniform W (|W| <= sqrt(6 / (D D)) at D x D), q's and k's
-    drawn apart, the bias 0."""
-    for attention in ("hedgehog", "lolcats"):
-        for init in ("identity", "random"):
-            model = tiny_gpt()
-            convert.swap(model, attention, [0, 1], window=4, map_init=init)
-            fmap = model.blocks[1].attn.fmap
-            Ws = [W for W in (fmap.W, fmap.Wk) if W is not None]
-            assert len(Ws) == (2 if attention == "lolcats" else 1) and not fmap.b.any()
-            eye = torch.eye(Ws[0].shape[-1]).expand_as(Ws[0])
-            bound = (6 / Ws[0].shape[-1] ** 2) ** 0.5
-            for W in Ws:
-                assert torch.equal(W, eye) if init == "identity" else bool(W.abs().max() <= bound and W.std() > bound / 3)
-            if init == "random" and attention == "lolcats":
-                assert not torch.equal(fmap.W, fmap.Wk)
-
-
-def test_swap_keeps_projections_and_layer_qkv_matches_model():
-    """layer_qkv catches each attention's input with hooks; check it against the blocks run by hand."""
-    model = tiny_gpt().double()
-    idx = torch.randint(0, 50, (2, 20))
-    qkv = distill.layer_qkv(model, idx, [0, 1])
-    x = model.tok(idx) + model.pos(torch.arange(20))
-    x = model.blocks[0](x)
-    q, k, v = model.blocks[1].attn.heads(model.blocks[1].ln1(x))
-    assert torch.allclose(qkv[1][0], q) and torch.allclose(qkv[1][2], v)
-    w = model.blocks[1].attn.q.weight.clone()
-    convert.swap(model, "hedgehog", [1])
-    assert model.blocks[1].attn.fmap is not None and model.blocks[0].attn.fmap is None
-    assert torch.equal(model.blocks[1].attn.q.weight, w)
 
 
 def test_device_report_bookkeeping(tmp_path):
@@ -198,24 +109,34 @@ def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
     assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
 
 
-def test_lolcats_attention_transfer_trains_the_maps_and_gates():
-    """Stage 1 for lolcats: the output MSE of the hybrid against softmax falls, and the Hedgehog maps (one
-    per side) and the gates move; the projections do not."""
-    teacher, model = tiny_gpt(), tiny_gpt()
-    convert.swap(model, "lolcats", [0, 1], window=4)
-    attn = model.blocks[1].attn
-    assert attn.window == 4 and attn.fmap.mode == "softmax_halves" and attn.fmap.Wk is not None
-    assert attn.g().tolist() == pytest.approx([0.1, 0.1])
-    ids = torch.randint(0, 50, (400,))
-    idx = ids[:96].view(4, 24)
-    before = sum(distill.distill_loss(model.blocks[i].attn.fmap, *qkv, "mse", True, 4, model.blocks[i].attn.g())
-                 for i, qkv in distill.layer_qkv(teacher, idx, [0, 1]).items()).item()
-    q_weight, gate = attn.q.weight.clone(), attn.gate.detach().clone()
-    cfg = dict(distill_lr=1e-2, distill_iters=20, seed=0, batch_size=4)
-    convert.distill_model(model, teacher, "mse", [0, 1], ids, ids, cfg, "cpu")
-    after = sum(distill.distill_loss(model.blocks[i].attn.fmap, *qkv, "mse", True, 4, model.blocks[i].attn.g())
-                for i, qkv in distill.layer_qkv(teacher, idx, [0, 1]).items()).item()
-    assert after < before and not torch.equal(attn.gate, gate) and torch.equal(attn.q.weight, q_weight)
+# ----------------------------------------------------------------------------------------------
+# the GPT (convert.py's parts: test_convert.py)
+
+
+@pytest.mark.parametrize("name", ["softmax"] + NAMES)
+def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
+    """train_gpt.py's model with each attention, as the script builds it (no extra arguments: cosFormer
+    must get its fixed length from the GPT): a few AdamW steps on one batch lower the loss, then decoding
+    token by token (KV cache or (S, z) state) gives the parallel forward's logits, and generate() runs."""
+    model = tiny_gpt(name)
+    idx = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    model.double()
+    logits, _ = model(idx[:, :20])
+    caches, steps = [None, None], []
+    for t in range(20):
+        step_logits, caches = model.step(idx[:, t], t, caches)
+        steps.append(step_logits)
+    assert torch.allclose(torch.stack(steps, 1), logits, atol=1e-6)
+    assert model.generate(idx[:, :3], 5).shape == (4, 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,14 +245,6 @@ def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
         save_checkpoint({"iter_num": 200, "kind": "train_gpt"}, path)
     monkeypatch.setattr(torch, "save", real_save)
     assert load_checkpoint(path, "cpu")["iter_num"] == 100
-
-
-def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
-    torch.save({"kind": "something else"}, tmp_path / "bad.pt")
-    assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
-    torch.save({"kind": "train_gpt", "model_args": {"attention": "hedgehog"}}, tmp_path / "linear.pt")
-    err = run_script("convert.py", f"--ckpt={tmp_path / 'linear.pt'}", ok=False)
-    assert "not a train_gpt.py checkpoint of a softmax model" in err
 
 
 @needs_tokenizer
