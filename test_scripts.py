@@ -38,7 +38,8 @@ def test_kernel_benchmark_smoke(tmp_path):
 
 def test_closed_form_benchmark_runs(tmp_path):
     """bench_kernel.py --closed_form=true times every polynomial map both ways and saves the rows."""
-    run_script("bench_kernel.py", "--closed_form=true", "--repeats=1", "--closed_form_shapes=2x2x64x8,1x2x96x16", cwd=tmp_path)
+    run_script("bench_kernel.py", "--closed_form=true", "--repeats=1", "--closed_form_shapes=2x2x64x8,1x2x96x16",
+               cwd=tmp_path)
     rows = json.load(open(tmp_path / "results" / "closed_form.json"))["rows"]
     assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal")
                                                       for w in ("scores", "chunked attention")}
@@ -49,8 +50,9 @@ def test_device_report_bookkeeping(tmp_path):
     """The GPU session's script at tiny sizes on the CPU: one row per shape, family and length, either
     skipped (here when over max_gib) or timed against SDPA, with the feature size of each family, and the
     polynomial families timed with their closed form and without."""
-    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal", "--lengths=64,96",
-               "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8", f"--report_out={tmp_path / 'r.json'}")
+    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal",
+               "--lengths=64,96", "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8",
+               f"--report_out={tmp_path / 'r.json'}")
     r = json.load(open(tmp_path / "r.json"))
     assert r["bandwidth_tbs"] == 4.8  # given; else from the GPU's name, and no memory bound for a GPU not in the table
     gpus = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")
@@ -80,7 +82,8 @@ def test_device_report_crossovers():
     row = lambda T, s, g=None, family="hedgehog": dict(shape="1x12x64", family=family, T=T, speedup_vs_flash_fwd=s,
                                                      **({} if g is None else {"graph_speedup_vs_flash_fwd": g}))
     rows = [row(1024, 0.4, 0.9), row(2048, 1.1, 1.5), row(4096, 0.9, 2.0), row(8192, 1.6, 3.0), row(32768, 4.9, 6.1),
-            row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"), dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
+            row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"),
+            dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
     c = bench_kernel.crossovers(rows)
     assert c["1x12x64 hedgehog"] == dict(crossover_T=8192, graph_crossover_T=2048, longest_T=32768, speedup_at_longest=4.9)
     assert c["1x12x64 elu"] == dict(crossover_T=None, longest_T=32768, speedup_at_longest=0.8)  # no graph timings there
@@ -198,8 +201,9 @@ def test_readme_commands_in_order(tmp_path):
     records = json.load(open(tmp_path / "results" / "convert.json"))
     assert [r["method"] for r in records] == ["softmax", "hedgehog", "oal", "lolcats", "swa"]
     assert [r["window"] for r in records[1:]] == [0, 0, 8, 8]
+    # a new process: every init is seeded
     out = run_script("convert.py", "--methods=softmax", "--finetune_iters=2", "--eval_iters=1", "--batch_size=4",
-                     "--plots=false", "--results=again.json", "--seeds=0,1", cwd=tmp_path)  # a new process: every init is seeded
+                     "--plots=false", "--results=again.json", "--seeds=0,1", cwd=tmp_path)
     again = json.load(open(tmp_path / "again.json"))
     assert [r["seed"] for r in again] == [0, 1] and again[0]["val_ppl"] == records[0]["val_ppl"]
     assert "validation perplexity over seeds [0, 1]: mean ± std" in out
@@ -250,10 +254,10 @@ def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
 @needs_tokenizer
 def test_ddp_two_cpu_processes(tmp_path):
     """Two processes train one model on different batches: the checkpoint keeps each rank's sampler."""
-    run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", os.path.join(HERE, "train_gpt.py"),
-               "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--batch_size=2", "--n_layer=1",
-               "--d_model=16", "--block_size=16", "--sample_tokens=2", "--attention=hedgehog",
-               f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
+    run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+               os.path.join(HERE, "train_gpt.py"), "--max_iters=3", "--eval_interval=3", "--eval_iters=1",
+               "--batch_size=2", "--n_layer=1", "--d_model=16", "--block_size=16", "--sample_tokens=2",
+               "--attention=hedgehog", f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")
     assert json.load(open(tmp_path / "gpt.json"))[-1]["processes"] == 2
     states = torch.load(tmp_path / "ckpt.pt", weights_only=False)["sampler_state"]
     assert len(states) == 2 and not torch.equal(states[0], states[1])
@@ -407,7 +411,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoints(tmp_path):
     assert re.search(r"step \d+: the training loss is nan; training stopped \(.*keep step 6\); try a lower --lr", err), err
     assert {p.name: p.read_bytes() for p in out.glob("*.pt")} == before  # byte-identical
     assert "training loss nan" in json.load(open(tmp_path / "results" / "gpt.json"))[-1]["stopped"]
-    err = run_script("convert.py", f"--ckpt={out / 'ckpt.pt'}", "--methods=softmax", "--finetune_lr=1e9", "--finetune_iters=5",
-                     "--eval_iters=1", "--batch_size=2", "--plots=false", cwd=tmp_path, ok=False)
+    err = run_script("convert.py", f"--ckpt={out / 'ckpt.pt'}", "--methods=softmax", "--finetune_lr=1e9",
+                     "--finetune_iters=5", "--eval_iters=1", "--batch_size=2", "--plots=false", cwd=tmp_path, ok=False)
     assert "finetuning step" in err and "the loss is nan" in err, err
     assert "the loss is nan" in json.load(open(tmp_path / "results" / "convert.json"))[-1]["stopped"]
