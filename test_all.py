@@ -38,9 +38,10 @@ import convert
 import distill
 import feature_maps as fm
 import kernel
-from attention import (MultiHeadAttention, attention_weights, hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step,
-                       hybrid_weights, linear_attention, linear_attention_chunked, linear_attention_cumsum, linear_attention_quadratic,
-                       linear_attention_step, sliding_window_attention, softmax_attention)
+from attention import (MultiHeadAttention, attention_weights, hybrid_attention, hybrid_attention_quadratic,
+                       hybrid_attention_step, hybrid_weights, linear_attention, linear_attention_chunked,
+                       linear_attention_cumsum, linear_attention_quadratic, linear_attention_step,
+                       sliding_window_attention, softmax_attention)
 from gpt import GPT
 
 NAMES = list(fm.FEATURE_MAPS)
