@@ -17,6 +17,7 @@ App. B.5; OAL Sec. 4.3, 5.2, App. F).
     python convert.py                                     # every method on the same budget
     python convert.py --methods=softmax,hedgehog,swa,lolcats-untrained,lolcats --seeds=0,1,2   # LoLCATs' Table 6
     python convert.py --methods=hedgehog,lolcats --finetune_maps=false   # LoLCATs' stage 2: the adapters alone
+    python convert.py --methods=lolcats --finetune_maps=false --map_init=random --map_dim=16   # LoLCATs' maps: D / 2, random
     python convert.py --methods=hedgehog,oal --layers=middle --finetune=full
     python convert.py --init=gpt2 --data=wikitext103 --methods=softmax,hedgehog   # pretrained GPT-2 (online)
 
@@ -56,6 +57,7 @@ finetune = "lora"  # "lora" or "full"
 finetune_iters = 60
 finetune_lr = 1e-3
 map_init = "identity"  # Hedgehog maps: "identity" (Hedgehog's init) or "random" (LoLCATs': W kaiming-uniform)
+map_dim = 0  # Hedgehog maps project the head size D to this many dimensions, F = 2 map_dim; 0: D (LoLCATs: D / 2)
 finetune_maps = True  # stage 2 trains the feature maps and lolcats' gates too (Hedgehog Sec. 5.3); False: frozen, as LoLCATs
 lora_r = 8
 lora_alpha = 16
@@ -102,16 +104,17 @@ def add_lora(model, r, alpha):
             setattr(block.attn, name, LoRA(getattr(block.attn, name), r, alpha))
 
 
-def swap(model, attention, layer_ids, window=16, map_init="identity"):
+def swap(model, attention, layer_ids, window=16, map_init="identity", map_dim=0):
     """Put a fresh feature map, window or hybrid behind q, k, v, o of the given layers (their weights are kept).
-    map_init="random" starts Hedgehog maps as LoLCATs' configs do: W kaiming-uniform (its bias stays 0 at first)."""
+    map_init="random" starts Hedgehog maps as LoLCATs' configs do: W kaiming-uniform (its bias stays 0 at first);
+    map_dim > 0 makes Hedgehog maps project to map_dim dimensions (feature_dim) instead of the head size."""
     for i in layer_ids:
         attn = model.blocks[i].attn
-        attn.use(attention, window)
+        attn.use(attention, window, **({"feature_dim": map_dim} if map_dim and attention in ("hedgehog", "lolcats") else {}))
         if map_init == "random" and isinstance(attn.fmap, Hedgehog):
             for W in (attn.fmap.W, attn.fmap.Wk):
                 if W is not None:
-                    nn.init.kaiming_uniform_(W.data)  # (H, D, D): fan-in D D, as LoLCATs' (H, D, F) has D F
+                    nn.init.kaiming_uniform_(W.data)  # (H, D, f): fan-in D f, as LoLCATs' (H, D, F) has D F
 
 
 def trainable_attention(attn):
@@ -245,7 +248,7 @@ def convert_one(name, teacher, teacher_ppl, train_ids, val_ids, calib, probe, la
         return {"method": name, "val_ppl": ppl(model), "val_ppl_swap": teacher_ppl, "val_ppl_distill": teacher_ppl,
                 "kl": 0.0, "monotonicity": 1.0, "rel_mse": 0.0, "entropy": softmax_entropy(teacher, probe, layer_ids)}, model
     attention, loss = METHODS[name]
-    swap(model, attention, layer_ids, cfg["window"], cfg["map_init"])
+    swap(model, attention, layer_ids, cfg["window"], cfg["map_init"], cfg["map_dim"])
     window = model.blocks[layer_ids[0]].attn.window
     print(f"{name}: {attention} in layers {layer_ids}" + (f", window {window}" if window else ""))
     if attention == "oal":
@@ -265,7 +268,7 @@ def main(cfg):
     one_of(cfg, "layers", ("all", "middle"))
     one_of(cfg, "finetune", ("lora", "full"))
     one_of(cfg, "map_init", ("identity", "random"))
-    at_least(cfg, 0, "distill_iters", "finetune_iters")
+    at_least(cfg, 0, "distill_iters", "finetune_iters", "map_dim")
     at_least(cfg, 1, "lora_r", "batch_size", "eval_iters", "window")
     positive(cfg, "distill_lr", "finetune_lr", "lora_alpha")
     writable(cfg, "results")

@@ -307,10 +307,10 @@ class T2R(FeatureMap):
 
 class Hedgehog(FeatureMap):
     """Hedgehog (Hedgehog Sec. 4.2, App. A.1-A.2): one linear layer per head, identity init and zero
-    bias, then the negation mapping so that negative dimensions also count. F = 2D.
+    bias, then the negation mapping so that negative dimensions also count. F = 2f, f = feature_dim (D).
 
-        y = W x + b
-        mode="softmax"  (default)  phi(x) = softmax([y, -y])          one softmax over all 2D features
+        y = W x + b                (W: D x f, at init the identity on the first f dimensions)
+        mode="softmax"  (default)  phi(x) = softmax([y, -y])          one softmax over all 2f features
         mode="softmax_halves"      phi(x) = [softmax(y), softmax(-y)]  a softmax per half
         mode="exp"                 phi(x) = [exp(y), exp(-y)]          the paper's Sec. 4.2 form
 
@@ -318,33 +318,33 @@ class Hedgehog(FeatureMap):
     (halves: each half sums to 1; all: the whole vector sums to 1), and both stay finite in bf16/fp16
     for any input because a softmax subtracts its max. The default is the single softmax. The exp
     mode is stabilised like `exp` (exact query-side max, key-side clamp at e^60).
-    As in the paper, queries and keys of a head share one map; separate_qk=True gives keys their own
-    (W_k, b_k), as LoLCATs' configs do (mode="softmax_halves", separate_qk=True is its map).
+    As in the paper, queries and keys of a head share one map. LoLCATs' configs give keys their own
+    (separate_qk=True: W_k, b_k), a softmax per half and feature_dim = D / 2.
     """
 
-    def __init__(self, head_dim, num_heads=1, mode="softmax", separate_qk=False):
+    def __init__(self, head_dim, num_heads=1, mode="softmax", separate_qk=False, feature_dim=None):
         super().__init__(head_dim, num_heads)
         if mode not in ("softmax", "softmax_halves", "exp"):
             raise ValueError(f"hedgehog: mode must be 'softmax', 'softmax_halves' or 'exp', got {mode!r}")
-        self.mode = mode
-        eye = torch.eye(head_dim).expand(num_heads, head_dim, head_dim)
-        self.W = nn.Parameter(eye.clone())  # (H, D, D), y = x @ W + b
-        self.b = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
+        self.mode, f = mode, head_dim if feature_dim is None else feature_dim
+        _positive_int("hedgehog", "feature_dim", f)
+        eye = torch.eye(head_dim, f).expand(num_heads, head_dim, f)
+        self.W = nn.Parameter(eye.clone())  # (H, D, f), y = x @ W + b
+        self.b = nn.Parameter(torch.zeros(num_heads, 1, f))
         self.Wk = nn.Parameter(eye.clone()) if separate_qk else None
-        self.bk = nn.Parameter(torch.zeros(num_heads, 1, head_dim)) if separate_qk else None
+        self.bk = nn.Parameter(torch.zeros(num_heads, 1, f)) if separate_qk else None
 
     def forward(self, q, k, offset=0):
         q, k = _fp32(q), _fp32(k)
         Wk, bk = (self.W, self.b) if self.Wk is None else (self.Wk, self.bk)
-        yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)  # (B, H, T, D)
+        yq = q @ self.W.to(q.dtype) + self.b.to(q.dtype)  # (B, H, T, f)
         yk = k @ Wk.to(k.dtype) + bk.to(k.dtype)
-        yq, yk = torch.cat([yq, -yq], dim=-1), torch.cat([yk, -yk], dim=-1)  # (B, H, T, 2D)
+        yq, yk = torch.cat([yq, -yq], dim=-1), torch.cat([yk, -yk], dim=-1)  # (B, H, T, 2f)
         if self.mode == "exp":
             return stable_exp_qk(yq, yk)
         if self.mode == "softmax":
             return yq.softmax(-1), yk.softmax(-1)
-        D = q.shape[-1]
-        halves = lambda y: torch.cat([y[..., :D].softmax(-1), y[..., D:].softmax(-1)], dim=-1)
+        halves = lambda y: torch.cat([half.softmax(-1) for half in y.chunk(2, dim=-1)], dim=-1)
         return halves(yq), halves(yk)
 
 

@@ -38,21 +38,23 @@ def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path, finetune
 
 
 def test_swap_starts_hedgehog_maps_as_asked(torch_path):
-    """map_init: Hedgehog's identity, or LoLCATs' kaiming-uniform W (|W| <= sqrt(6 / (D D)) at D x D), q's and k's
-    drawn apart, the bias 0."""
+    """map_init: Hedgehog's identity (on the first f dimensions), or LoLCATs' kaiming-uniform W
+    (|W| <= sqrt(6 / (D f)) at D x f), q's and k's drawn apart, the bias 0; map_dim: f, else the head size D = 8."""
     for attention in ("hedgehog", "lolcats"):
         for init in ("identity", "random"):
-            model = tiny_gpt()
-            convert.swap(model, attention, [0, 1], window=4, map_init=init)
-            fmap = model.blocks[1].attn.fmap
-            Ws = [W for W in (fmap.W, fmap.Wk) if W is not None]
-            assert len(Ws) == (2 if attention == "lolcats" else 1) and not fmap.b.any()
-            eye = torch.eye(Ws[0].shape[-1]).expand_as(Ws[0])
-            bound = (6 / Ws[0].shape[-1] ** 2) ** 0.5
-            for W in Ws:
-                assert torch.equal(W, eye) if init == "identity" else bool(W.abs().max() <= bound and W.std() > bound / 3)
-            if init == "random" and attention == "lolcats":
-                assert not torch.equal(fmap.W, fmap.Wk)
+            for map_dim, f in ((0, 8), (3, 3)):
+                model = tiny_gpt()
+                convert.swap(model, attention, [0, 1], window=4, map_init=init, map_dim=map_dim)
+                fmap = model.blocks[1].attn.fmap
+                Ws = [W for W in (fmap.W, fmap.Wk) if W is not None]
+                assert len(Ws) == (2 if attention == "lolcats" else 1) and not fmap.b.any()
+                assert Ws[0].shape == (2, 8, f) and fmap.b.shape == (2, 1, f)
+                eye = torch.eye(8, f).expand_as(Ws[0])
+                bound = (6 / (8 * f)) ** 0.5
+                for W in Ws:
+                    assert torch.equal(W, eye) if init == "identity" else bool(W.abs().max() <= bound and W.std() > bound / 3)
+                if init == "random" and attention == "lolcats":
+                    assert not torch.equal(fmap.W, fmap.Wk)
 
 
 def test_swap_keeps_projections_and_layer_qkv_matches_model():

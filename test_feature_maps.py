@@ -209,6 +209,27 @@ def test_hedgehog_init_closed_form(mode):
         assert torch.allclose(qf / qf.sum(-1, keepdim=True), xq / xq.sum(-1, keepdim=True), atol=1e-12)
 
 
+@pytest.mark.parametrize("mode,separate_qk", [("softmax", False), ("softmax_halves", True)])
+def test_hedgehog_feature_dim_projects_to_f(mode, separate_qk):
+    """feature_dim = f (LoLCATs' configs: D / 2) gives F = 2f: at init the first f dimensions of x, then
+    with W, b moved [y, -y] through the mode's softmax, y = x W + b with W (H, D, f), by hand."""
+    q, k, _ = qkv()  # D = 8
+    fmap = fm.make_feature_map("hedgehog", 8, 2, mode=mode, separate_qk=separate_qk, feature_dim=3).double()
+    phi = {"softmax": lambda y: torch.cat([y, -y], -1).softmax(-1),
+           "softmax_halves": lambda y: torch.cat([y.softmax(-1), (-y).softmax(-1)], -1)}[mode]
+    assert torch.allclose(fmap(q, k)[1], phi(k[..., :3]), atol=1e-12)
+    with torch.no_grad():
+        for p in fmap.parameters():
+            p.add_(torch.randn_like(p))
+    Wk, bk = (fmap.Wk, fmap.bk) if separate_qk else (fmap.W, fmap.b)
+    qf, kf = fmap(q, k)
+    assert qf.shape[-1] == kf.shape[-1] == 6
+    assert torch.allclose(qf, phi(torch.einsum("bhtd,hdf->bhtf", q, fmap.W) + fmap.b), atol=1e-12)
+    assert torch.allclose(kf, phi(torch.einsum("bhtd,hdf->bhtf", k, Wk) + bk), atol=1e-12)
+    with pytest.raises(ValueError, match="feature_dim must be a positive integer"):
+        fm.make_feature_map("hedgehog", 8, feature_dim=0)
+
+
 def test_exp_weights_unchanged_by_stabilisation():
     q, k, _ = qkv(scale=3.0)
     for t in (1.0, 2.0):
