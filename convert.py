@@ -41,7 +41,6 @@ import torch.nn as nn
 import distill
 from attention import attention_weights, entropy
 from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, pyplot, writable
-from feature_maps import Hedgehog
 from gpt import GPT, evaluate, get_batch, load_checkpoint, load_text, prepare
 
 # ---- config: plain values, override with --key=value ----
@@ -108,10 +107,11 @@ def swap(model, attention, layer_ids, window=16, map_init="identity", map_dim=0)
     """Put a fresh feature map, window or hybrid behind q, k, v, o of the given layers (their weights are kept).
     map_init="random" starts Hedgehog maps as LoLCATs' configs do: W kaiming-uniform (its bias stays 0 at first);
     map_dim > 0 makes Hedgehog maps project to map_dim dimensions (feature_dim) instead of the head size."""
+    hedgehog = attention in ("hedgehog", "lolcats")  # lolcats' linear part is a Hedgehog map
     for i in layer_ids:
         attn = model.blocks[i].attn
-        attn.use(attention, window, **({"feature_dim": map_dim} if map_dim and attention in ("hedgehog", "lolcats") else {}))
-        if map_init == "random" and isinstance(attn.fmap, Hedgehog):
+        attn.use(attention, window, **({"feature_dim": map_dim} if hedgehog and map_dim else {}))
+        if hedgehog and map_init == "random":
             for W in (attn.fmap.W, attn.fmap.Wk):
                 if W is not None:
                     nn.init.kaiming_uniform_(W.data)  # (H, D, f): fan-in D f, as LoLCATs' (H, D, F) has D F

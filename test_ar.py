@@ -8,6 +8,8 @@ import math
 import os
 import re
 
+from test_all import HERE, NAMES, run_script  # first: sets TRITON_INTERPRET before triton is imported
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,6 @@ import plot_ar
 import probe_ar
 import train_ar
 from attention import attention_weights
-from test_all import HERE, NAMES, run_script
 
 def test_ar_data_labels_are_the_recalled_values():
     """Check every label against a plain scan of its sequence."""

@@ -4,12 +4,13 @@ swap (projections kept, maps started as asked), the hooks that catch each layer'
 transfer, and a checkpoint of the wrong kind refused. The whole script runs in test_scripts.py.
 Run: python -m pytest -q test_convert.py
 """
+from test_all import run_script, tiny_gpt  # first: sets TRITON_INTERPRET before convert imports triton
+
 import pytest
 import torch
 
 import convert
 import distill
-from test_all import run_script, tiny_gpt
 
 
 @pytest.mark.parametrize("finetune_maps", [True, False])
@@ -52,7 +53,8 @@ def test_swap_starts_hedgehog_maps_as_asked(torch_path):
                 eye = torch.eye(8, f).expand_as(Ws[0])
                 bound = (6 / (8 * f)) ** 0.5
                 for W in Ws:
-                    assert torch.equal(W, eye) if init == "identity" else bool(W.abs().max() <= bound and W.std() > bound / 3)
+                    drawn = bool(W.abs().max() <= bound and W.std() > bound / 3)
+                    assert torch.equal(W, eye) if init == "identity" else drawn
                 if init == "random" and attention == "lolcats":
                     assert not torch.equal(fmap.W, fmap.Wk)
 

@@ -56,10 +56,11 @@ def test_kernel_matches_float64(backend, dtype, T, F, Dv):
 
 
 def _integer_inputs(Dv):
-    """qf, kf in {0, 1} (kf sparse) and v in {-1, 0, 1}, bf16, F = 45, 650 tokens: every product, sum and
-    state of either forward is an integer below 2^8, exact in bf16 and float32, so the two passes must agree
-    bit for bit. On real-valued inputs they need not: a state summed in float32 in another order can round
-    to the other bf16 neighbour before its dot (one entry of one chunk, 2e-5 of y's norm, on one CPU)."""
+    """qf, kf in {0, 1} (kf sparse) and v in {-1, 0, 1}, bf16, F = 45, 650 tokens: every state of either
+    forward is an integer below 2^8 (exact in bf16) and every sum an integer below 2^24 (exact in float32), so
+    the two passes must agree bit for bit. On real-valued inputs they need not: a state summed in float32 in
+    another order can round to the other bf16 neighbour before its dot (one entry of one chunk, 2e-5 of y's
+    norm, on one CPU)."""
     g = torch.Generator().manual_seed(0)
     qf = torch.rand(4, 650, 45, generator=g) < 0.5
     kf = torch.rand(4, 650, 45, generator=g) < 0.2  # at most ~170 ones per feature: the states stay below 2^8

@@ -14,6 +14,8 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
+from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,6 @@ import torch.nn.functional as F
 import distill
 import pretrained
 from attention import attention_weights
-from test_all import run_script
 
 
 def _has(*modules):

@@ -11,13 +11,14 @@ import json
 import os
 import re
 
+from test_all import HERE, NAMES, run_script, tiny_gpt  # first: sets TRITON_INTERPRET before triton is imported
+
 import pytest
 import torch
 
 import bench_kernel
 import gpt
 from gpt import load_checkpoint, save_checkpoint
-from test_all import HERE, NAMES, run_script, tiny_gpt
 
 
 # ----------------------------------------------------------------------------------------------
