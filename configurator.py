@@ -7,7 +7,8 @@ Command-line overrides for the plain config block at the top of each script (the
 Each --key=value must name an existing setting; the value is parsed to that setting's type. A config
 file is a Python file of `key = value` lines with literal values (numbers, strings, booleans), read
 without running it; its settings are checked the same way and apply in order with the flags.
-Unknown keys and values of the wrong type are rejected with a message listing what is valid.
+Unknown keys and values of the wrong type are rejected with a message listing what is valid. --help
+lists the settings with their values and the comment on each one's line of the script (print_help).
 Floats must be finite. The scripts then check their values before any work, each with a one-line error:
 at_least() for sizes and counts, positive() for rates, writable() for where results go, one_of() for
 one name from a fixed set, choices() for comma-separated names from one, integers() for
@@ -21,6 +22,7 @@ import ast
 import math
 import os
 import sys
+import tokenize
 
 import torch
 
@@ -30,9 +32,7 @@ def configure(config, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     for arg in argv:
         if arg in ("-h", "--help"):
-            print("settings (override with --key=value):")
-            for key, value in config.items():
-                print(f"  --{key}={value}")
+            print_help(config)
             sys.exit(0)
         if arg.endswith(".py") and not arg.startswith("--"):
             for key, value in read_config_file(arg):
@@ -43,6 +43,37 @@ def configure(config, argv=None):
         key, value = arg[2:].split("=", 1)
         set_value(config, key, value, f"--{key}")
     return config
+
+
+def print_help(config):
+    """Each setting, its value and the comment on its line in the running script: a module-level
+    `key = value  # note` (the config block) or a dict entry `"key": value,  # note`."""
+    notes, main = {}, getattr(sys.modules["__main__"], "__file__", None)
+    if main:
+        with open(main) as f:
+            lines = {}  # line number -> its tokens
+            for t in tokenize.generate_tokens(f.readline):
+                if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                    lines.setdefault(t.start[0], []).append(t)
+        last = None  # the key noted on the line before: an indented line of only a comment carries its note on
+        for n, line in sorted(lines.items()):
+            key, op, comment = line[0], line[1] if len(line) > 1 else None, line[-1]
+            if len(line) == 1 and key.type == tokenize.COMMENT and key.start[1] > 0 and last and last[1] == n - 1:
+                notes[last[0]] += " " + key.string.lstrip("# ")
+                last = (last[0], n)
+            elif comment.type == tokenize.COMMENT and op is not None and (
+                    (key.type == tokenize.NAME and key.start[1] == 0 and op.string == "=") or
+                    (key.type == tokenize.STRING and op.string == ":")):
+                last = (key.string.strip("\"'"), n)
+                notes.setdefault(last[0], comment.string.lstrip("# "))
+            else:
+                last = None
+    print("settings (override with --key=value):")
+    for key, value in config.items():
+        setting, note = f"  --{key}={value}", notes.get(key)
+        if note:
+            setting += " " * (32 - len(setting)) + f"  {note}" if len(setting) < 32 else f"\n{'':32}  {note}"
+        print(setting)
 
 
 def read_config_file(path):

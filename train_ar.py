@@ -61,20 +61,21 @@ from plot_ar import first_difference, report
 format = "pairs"  # "pairs": k v ... k, one label (Hedgehog App. B.1); "h3": k v ... => k v, every next token (H3)
 vocab_size = 40  # "pairs": 20 keys, 20 values; "h3": counts H3's two special tokens, so 19 keys, 19 values
 seq_len = 128  # "pairs": the whole sequence, 63 pairs and the query; "h3": input_seq_len, 64 pairs, then => k v
-num_train = 10_000
-num_test = 2_000
+num_train = 10_000  # training sequences, each with its own key -> value map
+num_test = 2_000  # test sequences
 n_layer = 2
-d_model = 64
+d_model = 64  # model width, and v's head size times n_head
 n_head = 1
 features = "64"  # F per head, the same for every map; comma-separated sweeps it; 0: q/k head size d_model / n_head
 mlp_ratio = 0  # hidden size of each block's MLP in units of d_model; 0 = attention-only blocks
 token_shift = True  # each position also sees the previous token's embedding (see ARModel)
 dropout = 0.0  # on the embeddings and on softmax's attention weights
-attentions = ("softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal,"
-              "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8")
+attentions = (  # softmax, a feature map (feature_maps.FEATURE_MAPS), or exp_t1, exp_t2, exp_norm_t{1,2,4,8,16}, hedgehog_exp
+    "softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal,"
+    "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8")
 epochs = 3  # at most, the same for every attention; stops early at target_acc or after `patience` epochs
 batch_size = 64
-lr = 3e-3
+lr = 3e-3  # AdamW
 weight_decay = 0.1
 warmup = 0.0  # > 0: linear warm-up over this fraction of all steps, then linear decay to 0; 0: constant lr
 patience = 0  # stop after this many epochs after the warm-up without a better `early_stop` (0: no such stop)
@@ -85,8 +86,8 @@ eval_every = 25  # training steps between accuracy checks on the first 500 test 
 seeds = "0"  # comma-separated; more than one reports mean and spread
 device = "auto"  # auto: cuda, then mps, then cpu
 workers = 0  # runs in parallel, in processes of one thread each; 0 = one per core on the CPU, one on a GPU
-out_dir = "results"
-plots = True
+out_dir = "results"  # ar.json, ar_summary.txt, the figures and any saved models go here
+plots = True  # the figures (needs matplotlib)
 save_models = False  # after every epoch, write each run's model, optimiser and random states to
                      # out_dir/model_<attention>_F<F>_seed<seed>.pt (ar.load_model reads the model back)
 init_from = "scratch"  # or "resume": carry each run on from that file where there is one (same settings, a longer cap)
