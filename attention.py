@@ -25,7 +25,7 @@ Shapes: q, k (B, H, T, D); v (B, H, T, Dv); qf, kf (B, H, T, F). Public interfac
     linear_attention_chunked(qf, kf, v, chunk=64)
     linear_attention_step(qf_t, kf_t, v_t, state=None) -> (y_t, state)
 LoLCATs' hybrid (softmax over the last w tokens, linear attention beyond; see its section below) and
-the window alone, in three forms each (test_all.py checks them against a float64 loop):
+the window alone, in three forms each (test_hybrid.py checks them against a float64 loop):
     hybrid_attention_quadratic(q, k, qf, kf, v, window, gate)   O(T^2), hybrid_weights(...) the weights
     hybrid_attention(q, k, qf, kf, v, window, gate)             causal, O(T), by chunks
     hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache) -> (y_t, cache)
