@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_all import make_map, qkv  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import NAMES, make_map, qkv  # first: sets TRITON_INTERPRET before triton is imported
 from attention import (hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step, hybrid_weights,
                        sliding_window_attention)
 
@@ -52,6 +52,29 @@ def test_hybrid_forms_match_float64_reference(window, chunk, gate):
     bidirectional = hybrid_loop_reference(q, k, qf, kf, v, window, g, causal=False)
     assert torch.allclose(hybrid_attention_quadratic(q, k, qf, kf, v, window, g, causal=False), bidirectional,
                           rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_with_every_map_matches_float64_reference(name):
+    """The hybrid takes any map's features beyond the window: every form, and the chunked form's gradients
+    to q, k, v and the map's parameters, equal the definition (zero rows of ReLU's features included)."""
+    fmap = make_map(name)
+    q, k, v = (x.requires_grad_() for x in qkv(T=29))
+    qf, kf = fmap(q, k)
+    ref = hybrid_loop_reference(q, k, qf, kf, v, 5, 0.3)
+    cache, ys = None, []
+    for t in range(q.shape[2]):
+        y, cache = hybrid_attention_step(q[:, :, t], k[:, :, t], qf[:, :, t], kf[:, :, t], v[:, :, t], 5, 0.3, cache)
+        ys.append(y)
+    for y in (hybrid_attention_quadratic(q, k, qf, kf, v, 5, 0.3), hybrid_attention(q, k, qf, kf, v, 5, 0.3, 8),
+              torch.stack(ys, 2)):
+        assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
+    params = [q, k, v] + list(fmap.parameters())
+    g_out = torch.randn_like(ref)
+    expected = torch.autograd.grad((ref * g_out).sum(), params, retain_graph=True)
+    got = torch.autograd.grad((hybrid_attention(q, k, qf, kf, v, 5, 0.3, 8) * g_out).sum(), params)
+    for x, r in zip(got, expected):
+        assert torch.allclose(x, r, rtol=1e-9, atol=1e-10 * r.abs().max().item())
 
 
 def test_hybrid_gradients_match_the_definition():
