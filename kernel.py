@@ -61,10 +61,8 @@ Cost per token and head, forward, C = 64: pass 1 4 F Dv flops (2 F Dv with one s
 by pass 1 and read once by pass 2. The states take B H (T/C) F Dv 2 (or 4) bytes, twice that in the
 backward. The fused forward reads k and v once for the segment sums (not at all with one segment),
 then q, k, v once, writes y, and keeps no states: the same flops, with the chunk scores computed Dv/BV
-times. The serial part of pass 1 (and of the fused pass) is one segment's L chunks. Two earlier designs
-measured on a GPU (docs/results.md): one walked all T/C chunks in B H (F/BK) (Dv/BV) programs; the next
-summed every chunk at once and took the prefix sum over all the states with torch.cumsum and torch.cat,
-which moved them through memory five times.
+times. The serial part of pass 1 (and of the fused pass) is one segment's L chunks. docs/results.md has
+the two earlier designs of pass 1 and their times on a GPU.
 Tiles, warps and stages (_configs) were chosen with the build check:
 `python build_check.py` compiles every launch ahead of time for sm_80 and sm_90 on any machine
 (triton.compile with a GPUTarget; ptxas and cuobjdump ship with triton) and checks shared memory and
@@ -74,10 +72,9 @@ Where this was tested: both backends against a float64 reference, forward and gr
 float32/bfloat16/float16 inputs at odd sizes, with and without squares; the fallback on CPU (torch 2.13),
 the Triton kernels in the Triton CPU interpreter (TRITON_INTERPRET=1, triton 3.9; float32 arithmetic,
 the bfloat16 dots emulated by rounding their operands, see _dot), and compiled for sm_80 and sm_90 by
-the build check. The kernels ran on an NVIDIA H200 (triton 3.6, bfloat16 and float32 inputs, checked
-against float64 at the sizes timed there; docs/results.md) with pass 1 segmented as now, except that its
-segment offsets were then a torch.cat of zeros and a cumsum, its states stored in float32 and its grid
-ordered segments first; the fused forward has not run on a GPU yet.
+the build check. An NVIDIA H200 ran an earlier version (triton 3.6), checked against float64 at the sizes
+it timed; the fused forward and three smaller changes since have not run on a GPU (the README's "Still
+needs a GPU" lists them).
 `python bench_kernel.py` checks them against float64, then times them.
 """
 import functools
