@@ -90,6 +90,8 @@ def distill_feature_map(fmap, q, k, v=None, loss="xent", steps=200, lr=1e-2, cau
     gate = (lambda: 1.0) if gate_logit is None else gate_logit.sigmoid
     if not params:
         raise ValueError(f"{type(fmap).__name__} has no parameters to distil (it is a fixed map)")
+    if steps < 0 or eval_every < 1:  # -1 step did nothing, eval_every = 0 divided by zero
+        raise ValueError(f"distill_feature_map: steps must be >= 0 and eval_every >= 1, got {steps} and {eval_every}")
     q, k = q.detach(), k.detach()
     v = None if v is None else v.detach()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

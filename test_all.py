@@ -328,6 +328,10 @@ def test_distill_rejects_fixed_maps_missing_v_and_shapes_that_do_not_fit():
         distill.distill_feature_map(fm.make_feature_map("elu", 8), q, k)
     with pytest.raises(ValueError, match="needs v"):
         distill.distill_feature_map(fm.make_feature_map("oal", 8, 2), q, k, loss="mse")
+    for steps, eval_every in [(-1, 10), (5, 0)]:
+        with pytest.raises(ValueError, match=f"steps must be >= 0 and eval_every >= 1, got {steps} and {eval_every}"):
+            distill.distill_feature_map(fm.make_feature_map("hedgehog", 8, 2), q, k, steps=steps, eval_every=eval_every,
+                                        val=(q, k, v))
     for bad_k, bad_v, loss in [(k[:, :, :3], None, "xent"), (k, v[:, :, :3], "both")]:  # a RuntimeError in the mask
         with pytest.raises(ValueError, match="expected q, k of shape"):
             distill.distill_feature_map(fm.make_feature_map("hedgehog", 8, 2), q, bad_k, bad_v, loss=loss)
