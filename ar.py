@@ -109,11 +109,11 @@ class ARModel(nn.Module):
     knows its key, and one attention lookup (query: the current key; match: the positions right after
     earlier copies of it) solves the task. Without it the model must first learn to copy the previous
     token with attention. qk_dim is the q/k head size (see MultiHeadAttention); dropout applies to the
-    embeddings and to softmax's weights.
+    embeddings and to softmax's weights; window is the one of swa and lolcats.
     """
 
     def __init__(self, attention="softmax", vocab_size=40, seq_len=127, n_layer=2, d_model=64, n_head=1,
-                 mlp_ratio=0, token_shift=True, qk_dim=None, dropout=0.0, **fmap_options):
+                 mlp_ratio=0, token_shift=True, qk_dim=None, dropout=0.0, window=64, **fmap_options):
         super().__init__()
         self.token_shift = token_shift
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -121,7 +121,7 @@ class ARModel(nn.Module):
         self.pos = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, attention, mlp_ratio, qk_dim=qk_dim, max_len=seq_len,
-                                          attn_dropout=dropout, **fmap_options) for _ in range(n_layer))
+                                          attn_dropout=dropout, window=window, **fmap_options) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 

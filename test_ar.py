@@ -104,6 +104,22 @@ def test_ar_gives_every_map_the_feature_size_asked(target):
     assert train_ar.state_size("softmax", 64, 64, 2, 64, 127) == 2 * 127 * (64 + 32)
 
 
+def test_ar_holds_the_window_attentions_to_the_same_state():
+    """swa's window cache fills a linear map's state at F (lolcats' with its Hedgehog maps at F / 2) to within
+    one token's keys and values, and the model gets that window: the last position's logits do not move when
+    tokens out of two layers' reach (2w - 1 tokens back, with the token shift) change, except through
+    lolcats' linear part."""
+    for name in ("swa", "lolcats"):
+        for features in (16, 64):
+            _, _, qk, F_, w = train_ar.run_sizes(name, features, dict(train_ar.config))
+            assert features * 65 - (qk + 64) < train_ar.state_size(name, F_, qk, 1, 64, 127, w) <= features * 65
+            torch.manual_seed(0)
+            model = ar.ARModel(name, qk_dim=qk, window=w).eval()
+            x = torch.randint(0, 40, (1, 127))
+            y = torch.cat([(x[:, :127 - 2 * w] + 1) % 40, x[:, 127 - 2 * w:]], 1)  # every token out of reach changed
+            assert torch.allclose(model(x)[0, -1], model(y)[0, -1]) == (name == "swa"), (name, features)
+
+
 def test_exp_normalize_makes_t_a_temperature():
     """exp with normalize=True: the weights of exp(t q_hat) . exp(t k_hat) in float64; doubling W does
     nothing to them (unlike the plain exp, where t W x = (t W) x)."""
@@ -384,7 +400,7 @@ def test_scripts_reject_unknown_settings():
         assert "error" in run_script("train_ar.py", *args, ok=False)
 
 
-@pytest.mark.parametrize("name", ["softmax", "exp_t1", "exp_t2", "hedgehog_exp"] + NAMES)
+@pytest.mark.parametrize("name", ["softmax", "swa", "lolcats", "exp_t1", "exp_t2", "hedgehog_exp"] + NAMES)
 def test_every_attention_trains_in_the_ar_model(name, torch_path):
     """train_ar.py's model and names (its variants included): a few steps on one batch lower the loss."""
     fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))

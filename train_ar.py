@@ -13,7 +13,10 @@ What the default holds equal, so that the comparison is about spikiness:
   whose F is closest to `features` (64): 1+ELU, ReLU, exp, T2R at D = 64; Hedgehog and cosFormer
   (F = 2D) at 32; Performer (F = round(D ln D)) at 21; Taylor and the quadratics (F = 1 + D + D(D+1)/2)
   at 10, F = 66. v keeps the model width, so every linear state has F x 64 + F numbers a layer.
-  Softmax gets D = F too; its memory is its KV cache, which grows with the sequence.
+  Softmax gets D = F too; its memory is its KV cache, which grows with the sequence. The window
+  attentions get the linear maps' state (run_sizes): swa keeps the last w tokens' keys (D = F) and values,
+  w = 32 at F = 64; lolcats (LoLCATs' window + Hedgehog hybrid) spends half on Hedgehog maps (F = 32, D = 16)
+  and the rest on a window of 26 tokens. A query then sees the last w tokens exactly, and swa nothing older.
 - The head that does the lookup. With token shift a value's position already holds its key, so one
   attention row (the query's) finds the answer by looking at the positions right after earlier copies
   of the query key; without it, an induction circuit looks at the same positions. The retrieval head
@@ -52,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ar import ARModel, answer_positions, evaluate, lookup_stats, make_data
+from attention import WINDOWED
 from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, writable
 from feature_maps import FEATURE_MAPS, make_feature_map
 from gpt import load_checkpoint, save_checkpoint
@@ -70,9 +74,9 @@ features = "64"  # F per head, the same for every map; comma-separated sweeps it
 mlp_ratio = 0  # hidden size of each block's MLP in units of d_model; 0 = attention-only blocks
 token_shift = True  # each position also sees the previous token's embedding (see ARModel)
 dropout = 0.0  # on the embeddings and on softmax's attention weights
-attentions = (  # softmax, a feature map (feature_maps.FEATURE_MAPS), or exp_t1, exp_t2, exp_norm_t{1,2,4,8,16}, hedgehog_exp
+attentions = (  # softmax, swa, lolcats, a feature map, or exp_t1, exp_t2, exp_norm_t{1,2,4,8,16}, hedgehog_exp
     "softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal,"
-    "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8")
+    "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8,swa,lolcats")
 epochs = 3  # at most, the same for every attention; stops early at target_acc or after `patience` epochs
 batch_size = 64
 lr = 3e-3  # AdamW
@@ -101,9 +105,11 @@ VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0}),
 
 
 def feature_size(name, qk_dim, kw):
-    """F, the features per head of map `name` at q/k head size qk_dim (softmax: qk_dim)."""
-    if name == "softmax":
+    """F, the features per head of map `name` at q/k head size qk_dim (softmax and swa: qk_dim; lolcats: its
+    Hedgehog maps')."""
+    if name in ("softmax", "swa"):
         return qk_dim
+    name = "hedgehog" if name == "lolcats" else name
     x = torch.zeros(1, 1, 1, qk_dim)
     return make_feature_map(name, qk_dim, **kw)(x, x)[0].shape[-1]
 
@@ -113,18 +119,31 @@ def qk_dim_for(name, kw, features):
     return min(range(features, 1, -1), key=lambda d: abs(feature_size(name, d, kw) - features))
 
 
-def state_size(name, F, qk_dim, n_head, d_model, T):
+def state_size(name, F, qk_dim, n_head, d_model, T, window=0):
     """Numbers a layer keeps to attend at position T: linear attention's S (F x Dv) and z (F) per head;
-    softmax's KV cache (T keys of qk_dim and T values of Dv per head)."""
+    softmax's KV cache (T keys of qk_dim and T values of Dv per head); swa's, of the last `window` tokens only;
+    lolcats' window cache and linear state."""
     dv = d_model // n_head
-    return n_head * (T * (qk_dim + dv) if name == "softmax" else F * dv + F)
+    cache = min(T, window) * (qk_dim + dv) if name in WINDOWED else T * (qk_dim + dv)
+    if name in ("softmax", "swa"):
+        return n_head * cache
+    return n_head * (F * dv + F + (cache if name == "lolcats" else 0))
 
 
 def run_sizes(attention, features, cfg):
-    """(map name, its settings, q/k head size, F) of a run of `attention` asked for `features` features."""
+    """(map name, its settings, q/k head size, F, window) of a run of `attention` asked for `features` features.
+    swa and lolcats are held to the same state as a linear map at `features` (F Dv + F numbers a head): swa's
+    window cache (w keys of its q/k head size and w values) fills it; lolcats' Hedgehog maps get half the
+    features, and its window what they leave."""
     name, kw = VARIANTS.get(attention, (attention, {}))
-    qk_dim = qk_dim_for(name, kw, features) if features else cfg["d_model"] // cfg["n_head"]
-    return name, kw, qk_dim, feature_size(name, qk_dim, kw)
+    dv = cfg["d_model"] // cfg["n_head"]
+    asked = max(2, (features or dv) // 2) if name == "lolcats" else features
+    qk_dim = qk_dim_for(name, kw, asked) if asked else dv
+    F_, window = feature_size(name, qk_dim, kw), 0
+    if name in WINDOWED:
+        budget = (features or dv) * (dv + 1) - (F_ * (dv + 1) if name == "lolcats" else 0)
+        window = max(1, budget // (qk_dim + dv))
+    return name, kw, qk_dim, F_, window
 
 
 def model_path(attention, features, seed, cfg):
@@ -170,13 +189,14 @@ def set_rng_states(states, dev):
 def train_one(attention, features, seed, data, cfg, dev):
     """Train one attention from scratch at `features` features per head, or carry its run on from its file
     (--init_from=resume); returns its record."""
-    name, kw, qk_dim, F_ = run_sizes(attention, features, cfg)
+    name, kw, qk_dim, F_, window = run_sizes(attention, features, cfg)
     x_train, y_train, x_test, y_test = (t.to(dev) for t in data)
     T = x_train.shape[1]
     torch.manual_seed(seed)
     model_args = dict(attention=name, vocab_size=cfg["vocab_size"], seq_len=T, n_layer=cfg["n_layer"],
                       d_model=cfg["d_model"], n_head=cfg["n_head"], mlp_ratio=cfg["mlp_ratio"],
-                      token_shift=cfg["token_shift"], qk_dim=qk_dim, dropout=cfg["dropout"], **kw)
+                      token_shift=cfg["token_shift"], qk_dim=qk_dim, dropout=cfg["dropout"],
+                      **({"window": window} if window else {}), **kw)
     model = ARModel(**model_args).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     steps_per_epoch = -(-len(x_train) // cfg["batch_size"])
@@ -254,7 +274,8 @@ def train_one(attention, features, seed, data, cfg, dev):
     layer, head = divmod(mass.argmax().item(), mass.shape[1])  # the retrieval head
     return {"attention": attention, "seed": seed, "test_acc": evaluate(model, x_test, y_test)[0],
             "features": F_, "features_asked": features, "qk_dim": qk_dim,
-            "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T),
+            "state_size": state_size(name, F_, qk_dim, cfg["n_head"], cfg["d_model"], T, window),
+            **({"window": window} if window else {}),
             "retrieval_entropy": ent[layer, head].item(), "target_mass": mass[layer, head].item(),
             "retrieval_layer": layer, "retrieval_head": head,
             "entropy_per_head": ent.tolist(), "target_mass_per_head": mass.tolist(), "prev_mass_per_head": prev.tolist(),
@@ -312,7 +333,7 @@ def check(cfg):
 
 def main(cfg):
     check(cfg)
-    names = choices(cfg, "attentions", ["softmax", *FEATURE_MAPS, *VARIANTS])
+    names = choices(cfg, "attentions", ["softmax", *WINDOWED, *FEATURE_MAPS, *VARIANTS])
     seeds, sizes = integers(cfg, "seeds"), integers(cfg, "features")
     if 1 in sizes:  # a q/k head is at least 2 wide
         raise SystemExit(f"error: --features={cfg['features']!r}: each F must be 0 (the q/k head d_model / n_head) "
