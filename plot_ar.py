@@ -46,9 +46,11 @@ FREE = {"attentions", "seeds", "features", "out_dir", "plots", "save_models", "d
 
 def first_difference(a, b):
     """The first setting outside FREE in which the configs a and b differ, as ("k=a's value", "k=b's value"),
-    or None if they agree."""
+    or None if they agree. early_stop counts only where patience stops runs early (runs recorded before it
+    was a setting merge with later ones when neither had patience)."""
     said = lambda c, k: f"{k}={c[k]!r}" if k in c else f"{k} not recorded"
-    keys = sorted(k for k in a.keys() | b.keys() if k not in FREE)
+    free = FREE | (set() if a.get("patience") or b.get("patience") else {"early_stop"})
+    keys = sorted(k for k in a.keys() | b.keys() if k not in free)
     return next(((said(a, k), said(b, k)) for k in keys if said(a, k) != said(b, k)), None)
 
 

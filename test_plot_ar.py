@@ -1,0 +1,87 @@
+"""
+plot_ar.py as a user runs it: the AR table and figures, panels by the feature size asked, accuracy at equal
+budgets, and runs made apart merged into one table (or refused in one line).
+Run: python -m pytest -q test_plot_ar.py
+"""
+import json
+
+from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
+
+import torch
+
+import plot_ar
+
+
+def test_plot_ar_panels_by_the_feature_size_asked():
+    """The figures over epochs and steps have one panel per F asked, smallest first. Runs that asked for no
+    F (features=0) are a group of their own, or, merged with runs that asked for one, count at the F they got."""
+    runs = lambda *pairs: [{"features_asked": asked, "features": got} for asked, got in pairs]
+    assert list(plot_ar.by_size(runs((0, 128), (0, 256), (0, 128)))) == [0]
+    merged = runs((0, 256), (128, 128), (0, 128), (256, 256))
+    groups = plot_ar.by_size(merged)
+    assert list(groups) == [128, 256] and groups[128] == [merged[1], merged[2]] and groups[256] == [merged[0], merged[3]]
+
+
+def test_plot_ar_compares_runs_at_equal_budgets():
+    """The table at equal epochs: a run that stopped on reaching its target counts with its last epoch,
+    one cut short by a time cap is left out after its last, and milestones stop at the longest run."""
+    run = lambda acc: {"attention": "elu", "features": 64, "test_acc_per_epoch": acc, "config": {"target_acc": 0.99}}
+    slow, solved, capped = run([0.1] * 9 + [0.4] * 21), run([0.2, 0.5, 0.995]), run([0.3] * 7)
+    header, row = plot_ar.at_epochs([slow, solved, capped]).splitlines()
+    assert header.split()[2:] == ["epoch", "5", "epoch", "10", "epoch", "20", "epoch", "30"]
+    at5 = torch.tensor([0.1, 0.995, 0.3])
+    at10 = torch.tensor([0.4, 0.995])
+    assert row.split("  ")[-4:] == ([f" {at5.mean():.2f} ± {at5.std():.2f} (3/3)"]
+                                    + [f" {at10.mean():.2f} ± {at10.std():.2f} (2/3)"] * 3)
+    assert plot_ar.at_epochs([solved, run([0.3] * 4)]) == ""  # no run passes epoch 5
+
+
+def test_runs_merge_across_the_early_stop_setting_only_without_patience():
+    """Runs recorded before early_stop was a setting merge with later ones where no run stopped early."""
+    old, new = {"lr": 1e-3, "patience": 0}, {"lr": 1e-3, "patience": 0, "early_stop": "loss"}
+    assert plot_ar.first_difference(old, new) is None
+    assert plot_ar.first_difference(dict(old, patience=10), dict(new, patience=10)) == ("early_stop not recorded",
+                                                                                        "early_stop='loss'")
+
+
+def test_plot_ar_merges_runs_made_apart(tmp_path):
+    """Seeds trained in one run, split into two files and merged by plot_ar.py (named, or by a pattern),
+    give that run's own table, with the mean and spread over both seeds; a run cut short by a time cap
+    gives way to the same run carried on. Files of another experiment, a run twice, two runs of one
+    seed that part ways, a file that is not an ar.json or a pattern that matches none are refused in one line."""
+    run_script("train_ar.py", "--attentions=softmax,elu", "--seeds=0,1", "--num_train=64", "--num_test=16",
+               "--seq_len=16", "--epochs=2", "--workers=1", "--plots=false", f"--out_dir={tmp_path}")
+    records = json.load(open(tmp_path / "ar.json"))
+    for seed in (0, 1):
+        json.dump([r for r in records if r["seed"] == seed], open(tmp_path / f"seed{seed}.json", "w"))
+    merged = tmp_path / "merged"
+    run_script("plot_ar.py", f"--runs={tmp_path / 'seed0.json'},{tmp_path / 'seed1.json'}", f"--out_dir={merged}")
+    table = (merged / "ar_summary.txt").read_text()
+    assert table == (tmp_path / "ar_summary.txt").read_text()
+    softmax = torch.tensor([r["test_acc"] for r in records if r["attention"] == "softmax"], dtype=torch.float64)
+    assert f"{softmax.mean():.3f} ± {softmax.std():.3f}" in table.splitlines()[1]
+    assert (merged / "ar_entropy.png").exists() and (merged / "ar_curves.png").exists()
+
+    # seed 1 as a 1-epoch run stopped by a time cap, and the same run carried on to 2 epochs, in either order
+    cut = lambda r: dict(r, epochs=1, test_acc_per_epoch=r["test_acc_per_epoch"][:1],
+                         config=dict(r["config"], max_minutes=1))
+    json.dump([cut(r) for r in records if r["seed"] == 1], open(tmp_path / "seed1_cut.json", "w"))
+    for runs in (tmp_path / "seed*.json", ",".join(str(tmp_path / f"{n}.json") for n in ("seed0", "seed1_cut", "seed1"))):
+        run_script("plot_ar.py", f"--runs={runs}", f"--out_dir={merged}", "--plots=false")
+        assert (merged / "ar_summary.txt").read_text() == table
+
+    other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
+    json.dump(other, open(tmp_path / "other.json", "w"))
+    parted = [dict(r, test_acc_per_epoch=[-1.0, -1.0]) for r in records if r["seed"] == 1]
+    json.dump(parted, open(tmp_path / "parted.json", "w"))
+    json.dump({"rows": []}, open(tmp_path / "kernel.json", "w"))
+    for runs, message in ([("seed0", "other"), "trained with different settings: lr=0.003 against lr=1.0"],
+                          [("seed0", "seed0"), "seed0.json more than once"],
+                          [("seed1_cut", "parted"), "softmax F=64 seed 1 is in both"],
+                          [("kernel",), "is not an ar.json of train_ar.py"],
+                          [("missing",), "cannot read"],
+                          [("missing*",), "no file matches"]):
+        err = run_script("plot_ar.py", "--runs=" + ",".join(str(tmp_path / f"{n}.json") for n in runs),
+                         f"--out_dir={tmp_path / 'refused'}", ok=False)
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "refused").exists()
