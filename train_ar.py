@@ -132,9 +132,9 @@ def state_size(name, F, qk_dim, n_head, d_model, T, window=0):
 
 def run_sizes(attention, features, cfg):
     """(map name, its settings, q/k head size, F, window) of a run of `attention` asked for `features` features.
-    swa and lolcats are held to the same state as a linear map at `features` (F Dv + F numbers a head): swa's
-    window cache (w keys of its q/k head size and w values) fills it; lolcats' Hedgehog maps get half the
-    features, and its window what they leave."""
+    swa and lolcats are held to the same state as a linear map at `features` (F Dv + F numbers a head; with
+    features = 0, F = Dv): swa's window cache (w keys of its q/k head size and w values) fills it; lolcats'
+    Hedgehog maps get half the features, and its window what they leave."""
     name, kw = VARIANTS.get(attention, (attention, {}))
     dv = cfg["d_model"] // cfg["n_head"]
     asked = max(2, (features or dv) // 2) if name == "lolcats" else features
