@@ -1,6 +1,7 @@
 """
 Associative recall as a user runs it: ar.py's data and model, train_ar.py's stopping rules and runs
-(plot_ar.py's tables and merges: test_plot_ar.py). Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
+(plot_ar.py's tables and merges: test_plot_ar.py). Scripts run in subprocesses (test_all.run_script), on
+the fast PyTorch path.
 Run: python -m pytest -q test_ar.py
 """
 import json
