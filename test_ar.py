@@ -400,7 +400,7 @@ def test_scripts_reject_unknown_settings():
         assert "error" in run_script("train_ar.py", *args, ok=False)
 
 
-@pytest.mark.parametrize("name", ["softmax", "swa", "lolcats", "exp_t1", "exp_t2", "hedgehog_exp"] + NAMES)
+@pytest.mark.parametrize("name", ["softmax", "swa", "lolcats", *train_ar.VARIANTS] + NAMES)
 def test_every_attention_trains_in_the_ar_model(name, torch_path):
     """train_ar.py's model and names (its variants included): a few steps on one batch lower the loss."""
     fmap_name, kw = train_ar.VARIANTS.get(name, (name, {}))

@@ -74,7 +74,7 @@ features = "64"  # F per head, the same for every map; comma-separated sweeps it
 mlp_ratio = 0  # hidden size of each block's MLP in units of d_model; 0 = attention-only blocks
 token_shift = True  # each position also sees the previous token's embedding (see ARModel)
 dropout = 0.0  # on the embeddings and on softmax's attention weights
-attentions = (  # softmax, swa, lolcats, a feature map, or exp_t1, exp_t2, exp_norm_t{1,2,4,8,16}, hedgehog_exp
+attentions = (  # softmax, swa, lolcats, a feature map, or a name of VARIANTS (exp_t2, exp_norm_t4, hedgehog_exp, ...)
     "softmax,elu,relu,performer,cosformer,exp_t1,exp_t2,taylor,hedgehog,t2r,quadratic,oal,"
     "exp_norm_t1,exp_norm_t2,exp_norm_t4,exp_norm_t8,swa,lolcats")
 epochs = 3  # at most, the same for every attention; stops early at target_acc or after `patience` epochs
@@ -101,6 +101,7 @@ config = {k: v for k, v in globals().items() if not k.startswith("_") and isinst
 # names in `attentions` that are a feature map with settings
 VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0}),
             "hedgehog_exp": ("hedgehog", {"mode": "exp"}),  # Sec. 4.2's raw exp, not App. A.1's softmax
+            "hedgehog_lolcats": ("hedgehog", {"mode": "softmax_halves", "separate_qk": True}),  # lolcats' maps, no window
             **{f"exp_norm_t{t}": ("exp", {"t": float(t), "normalize": True}) for t in (1, 2, 4, 8, 16)}}
 
 
