@@ -277,6 +277,7 @@ def hybrid_attention_step(q_t, k_t, qf_t, kf_t, v_t, window, gate, cache=None):
 
 
 WINDOWED = ("swa", "lolcats")  # attentions with a sliding window: alone, or LoLCATs' hybrid
+LOLCATS_MAP = {"mode": "softmax_halves", "separate_qk": True}  # lolcats' Hedgehog maps, as in LoLCATs' configs
 ATTENTIONS = ("softmax", *WINDOWED, *FEATURE_MAPS)
 
 
@@ -324,7 +325,7 @@ class MultiHeadAttention(nn.Module):
         self.attention, self.window = attention, window if attention in WINDOWED else 0
         if attention == "lolcats":
             attention = "hedgehog"
-            fmap_options = {"mode": "softmax_halves", "separate_qk": True, **fmap_options}
+            fmap_options = {**LOLCATS_MAP, **fmap_options}
         device = self.q.weight.device
         self.fmap = None
         if attention not in ("softmax", "swa"):

@@ -50,24 +50,15 @@ def print_help(config):
     `key = value  # note` (the config block) or a dict entry `"key": value,  # note`."""
     notes, main = {}, getattr(sys.modules["__main__"], "__file__", None)
     if main:
+        lines = {}  # line number -> its tokens
         with open(main) as f:
-            lines = {}  # line number -> its tokens
             for t in tokenize.generate_tokens(f.readline):
                 if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
                     lines.setdefault(t.start[0], []).append(t)
-        last = None  # the key noted on the line before: an indented line of only a comment carries its note on
-        for n, line in sorted(lines.items()):
-            key, op, comment = line[0], line[1] if len(line) > 1 else None, line[-1]
-            if len(line) == 1 and key.type == tokenize.COMMENT and key.start[1] > 0 and last and last[1] == n - 1:
-                notes[last[0]] += " " + key.string.lstrip("# ")
-                last = (last[0], n)
-            elif comment.type == tokenize.COMMENT and op is not None and (
-                    (key.type == tokenize.NAME and key.start[1] == 0 and op.string == "=") or
-                    (key.type == tokenize.STRING and op.string == ":")):
-                last = (key.string.strip("\"'"), n)
-                notes.setdefault(last[0], comment.string.lstrip("# "))
-            else:
-                last = None
+        for key, op, *_, comment in (line for line in lines.values() if len(line) >= 3):
+            if comment.type == tokenize.COMMENT and ((key.type == tokenize.NAME and key.start[1] == 0 and op.string == "=")
+                                                     or (key.type == tokenize.STRING and op.string == ":")):
+                notes.setdefault(key.string.strip("\"'"), comment.string.lstrip("# "))
     print("settings (override with --key=value):")
     for key, value in config.items():
         setting, note = f"  --{key}={value}", notes.get(key)

@@ -378,13 +378,13 @@ def test_the_settings_are_the_config_block_and_nothing_else(script):
 
 
 def test_help_gives_each_setting_its_note():
-    """--help lists every setting with the comment on its line in the config block (a note that goes on in
-    an indented comment line whole; nothing from the line that closes the block), or in a dict literal."""
+    """--help lists every setting with the comment on its line in the config block (none for a setting without
+    one, nothing from the comment line that closes the block), or in a dict literal."""
     out = run_script("train_ar.py", "--help")
     settings = [line for line in out.splitlines() if line.startswith("  --")]
     assert out.startswith("settings (override with --key=value):\n") and len(settings) == len(train_ar.config)
     assert "\n  --features=64                   F per head, the same for every map;" in out
-    assert "random states to out_dir/model_<attention>_F<F>_seed<seed>.pt (ar.load_model reads the model back)\n" in out
+    assert "\n  --save_models=False             after every epoch, each run's model and training state to out_dir" in out
     assert "\n  --n_layer=2\n" in out and "---" not in out
     assert "\n  --shapes=1x12x64,8x32x128       report: B x H x D\n" in run_script("bench_kernel.py", "--help")
 

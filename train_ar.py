@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ar import ARModel, answer_positions, evaluate, lookup_stats, make_data
-from attention import WINDOWED
+from attention import LOLCATS_MAP, WINDOWED
 from configurator import at_least, choices, configure, integers, one_of, pick_device, positive, writable
 from feature_maps import FEATURE_MAPS, make_feature_map
 from gpt import load_checkpoint, save_checkpoint
@@ -92,16 +92,15 @@ device = "auto"  # auto: cuda, then mps, then cpu
 workers = 0  # runs in parallel, in processes of one thread each; 0 = one per core on the CPU, one on a GPU
 out_dir = "results"  # ar.json, ar_summary.txt, the figures and any saved models go here
 plots = True  # the figures (needs matplotlib)
-save_models = False  # after every epoch, write each run's model, optimiser and random states to
-                     # out_dir/model_<attention>_F<F>_seed<seed>.pt (ar.load_model reads the model back)
-init_from = "scratch"  # or "resume": carry each run on from that file where there is one (same settings, a longer cap)
+save_models = False  # after every epoch, each run's model and training state to out_dir (ar.load_model reads it)
+init_from = "scratch"  # or "resume": carry each run on from its saved model in out_dir (same settings, a longer cap)
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
 # names in `attentions` that are a feature map with settings
 VARIANTS = {"exp_t1": ("exp", {"t": 1.0}), "exp_t2": ("exp", {"t": 2.0}),
             "hedgehog_exp": ("hedgehog", {"mode": "exp"}),  # Sec. 4.2's raw exp, not App. A.1's softmax
-            "hedgehog_lolcats": ("hedgehog", {"mode": "softmax_halves", "separate_qk": True}),  # lolcats' maps, no window
+            "hedgehog_lolcats": ("hedgehog", LOLCATS_MAP),  # lolcats' maps without its window
             **{f"exp_norm_t{t}": ("exp", {"t": float(t), "normalize": True}) for t in (1, 2, 4, 8, 16)}}
 
 
