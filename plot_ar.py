@@ -151,7 +151,7 @@ def plot_lookup(plt, records, out_dir):
                 f"\n H {r['retrieval_entropy']:.2f}",
                 transform=ax.transAxes, fontsize=7, va="center")
     axes[-1, 0].set_xlabel("position attended from the query (red: the answer's positions)")
-    fig.suptitle("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
+    axes[0, 0].set_title("Query row of the retrieval head, one test sequence (cf. Hedgehog Fig. 2)", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "ar_lookup.png"), dpi=120)
 
@@ -218,6 +218,7 @@ def plot_runs(plt, records, out_dir):
                 acc = r["test_acc_per_epoch"]
                 ax.plot(range(1, len(acc) + 1), acc, lw=1, label=None if i else name, **line_style(j))
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.legend(fontsize=7, ncol=2)
     axes[0, 0].set_ylabel("test accuracy (500 sequences)")
     fig.suptitle("Associative recall: every run, one line each")
@@ -237,6 +238,8 @@ def plot_heads(plt, records, out_dir):
                 if best:
                     best = padded(best).mean(0)  # (epochs,)
                     ax.plot(range(1, len(best) + 1), best, label=name, **line_style(j))
+        for ax in col:
+            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         col[1].set_xlabel("epoch")
         col[1].legend(fontsize=7, ncol=2)
     axes[0, 0].set_ylabel("on the previous token")
