@@ -113,11 +113,14 @@ def test_ar_holds_the_window_attentions_to_the_same_state():
         for features in (16, 64):
             _, _, qk, F_, w = train_ar.run_sizes(name, features, dict(train_ar.config))
             assert features * 65 - (qk + 64) < train_ar.state_size(name, F_, qk, 1, 64, 127, w) <= features * 65
+            assert F_ == (features // 2 if name == "lolcats" else features)
             torch.manual_seed(0)
             model = ar.ARModel(name, qk_dim=qk, window=w).eval()
             x = torch.randint(0, 40, (1, 127))
             y = torch.cat([(x[:, :127 - 2 * w] + 1) % 40, x[:, 127 - 2 * w:]], 1)  # every token out of reach changed
             assert torch.allclose(model(x)[0, -1], model(y)[0, -1]) == (name == "swa"), (name, features)
+    # the sizes the README's table gives: swa a window of 32 at D = 64; lolcats F = 32 (D = 16) and a window of 26
+    assert [train_ar.run_sizes(name, 64, dict(train_ar.config))[2:] for name in ("swa", "lolcats")] == [(64, 64, 32), (16, 32, 26)]
 
 
 def test_exp_normalize_makes_t_a_temperature():
