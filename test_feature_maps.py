@@ -394,7 +394,8 @@ def test_find_groups_hand_worked():
 
 def test_find_groups_support_comes_first():
     """A gap seen in only half the sequences (mean ratio 1.55) has bootstrap support below 90%: it is not
-    kept by the thresholds, but as the only candidate with any support it ranks first and is the forced one."""
+    kept by the thresholds, but as the only candidate with any support it ranks first and is the forced one.
+    And support ranks before the ratio: a huge gap that one sequence makes ranks below a modest one in all."""
     g = torch.Generator().manual_seed(0)
     noisy = 1 + 0.05 * torch.rand(32, 16, generator=g)
     noisy[::2, 15] *= 2.1
@@ -402,6 +403,14 @@ def test_find_groups_support_comes_first():
     assert ranked[0][0] == [15] and ranked[0][1] >= 1.5 and 0 < ranked[0][2] < 0.9
     assert all(support == 0 for _, _, support in ranked[1:])
     assert oal_groups.find_groups(noisy).tolist() == [0] * 15 + [1]
+    # support before ratio: a gap of 2 in every sequence (three dims above it) outranks a gap of 32 on the
+    # means that one sequence of 32 makes (dim 15 at 2000 there), which a resample misses about 1 time in 3
+    rows = constant_rows([1.0] * 13 + [2.0, 2.0, 2.0], N=32).clone()
+    rows[0, 15] = 2000.0
+    (first, ratio_1, support_1), (second, ratio_2, support_2) = oal_groups.rank_cuts(rows)[:2]
+    assert (first, ratio_1, support_1) == ([13, 14, 15], 2.0, 1.0)
+    assert second == [15] and ratio_2 > 30 and 0.5 < support_2 < 0.9
+    assert oal_groups.find_groups(rows, budget=2).tolist() == [0] * 13 + [1, 1, 1]
 
 
 def test_oal_grouping_then_calibration_keeps_the_best_checkpoint():
