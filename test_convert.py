@@ -1,7 +1,7 @@
 """
-convert.py's parts: LoRA as an exact no-op that trains only the adapters (and the maps, unless frozen), the
-swap (projections kept, maps started as asked), the hooks that catch each layer's q, k, v, LoLCATs' attention
-transfer, and a checkpoint of the wrong kind refused. The whole script runs in test_scripts.py.
+convert.py's parts: LoRA's formula, and LoRA as an exact no-op that trains only the adapters (and the maps,
+unless frozen), the swap (projections kept, maps started as asked), the hooks that catch each layer's q, k, v,
+LoLCATs' attention transfer, and a checkpoint of the wrong kind refused. The whole script runs in test_scripts.py.
 Run: python -m pytest -q test_convert.py
 """
 from test_all import run_script, tiny_gpt  # first: sets TRITON_INTERPRET before convert imports triton
@@ -36,6 +36,18 @@ def test_lora_starts_as_exact_noop_and_trains_only_adapters(torch_path, finetune
             assert not torch.equal(p, frozen.get(base, torch.zeros_like(p))), n  # trained
         elif base in frozen:
             assert torch.equal(p, frozen[base]), n  # frozen: embeddings, projections, MLP, norms
+
+
+def test_lora_adds_its_scaled_low_rank_product():
+    """LoRA(W) x = W x + b + (alpha / r) B A x, with alpha / r = 3 here, once B has left zero."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5).double()
+    lora = convert.LoRA(base, r=2, alpha=6)
+    with torch.no_grad():
+        lora.B.normal_()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    expected = x @ base.weight.T + base.bias + 3.0 * (x @ lora.A.T) @ lora.B.T
+    assert torch.allclose(lora(x), expected, atol=1e-12) and not torch.allclose(lora(x), base(x), atol=1e-3)
 
 
 def test_swap_starts_hedgehog_maps_as_asked(torch_path):
