@@ -21,7 +21,8 @@ from gpt import load_checkpoint
 
 
 def make_ar_data(n, seq_len=128, vocab_size=40, seed=0):
-    """n "pairs" sequences -> (inputs, labels), both (n, seq_len - 1) long tensors (Hedgehog App. B.1).
+    """n "pairs" sequences -> (inputs, labels), both (n, 2P + 1) long tensors with P = (seq_len - 1) // 2 pairs:
+    seq_len - 1 tokens and the answer for an even seq_len, such as the default 128 (Hedgehog App. B.1).
 
     Half the vocabulary is keys, half values. Each sequence draws its own random key -> value map,
     then (key, value) pairs with keys drawn uniformly: with 20 keys and 63 pairs each key recurs

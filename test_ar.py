@@ -23,15 +23,17 @@ import train_ar
 from attention import attention_weights
 
 def test_ar_data_labels_are_the_recalled_values():
-    """Check every label against a plain scan of its sequence."""
-    x, y = ar.make_ar_data(20, seed=3)
-    assert x.shape == (20, 127) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
-    for row, lab in zip(x.tolist(), y.tolist()):
-        value_of = {}
-        for t, tok in enumerate(row):
-            assert lab[t] == (value_of[tok] if t == len(row) - 1 else -100)
-            if t % 2 == 1:
-                assert value_of.setdefault(row[t - 1], tok) == tok  # one value per key in a sequence
+    """Check every label against a plain scan of its sequence; at 4 pairs of 20 keys, a query drawn from
+    every key instead of those in context would fail the scan."""
+    for n, seq_len in ((20, 128), (200, 10)):
+        x, y = ar.make_ar_data(n, seq_len=seq_len, seed=3)
+        assert x.shape == (n, seq_len - 1) and x[:, 0:-1:2].max() < 20 and x[:, 1::2].min() >= 20
+        for row, lab in zip(x.tolist(), y.tolist()):
+            value_of = {}
+            for t, tok in enumerate(row):
+                assert lab[t] == (value_of.get(tok) if t == len(row) - 1 else -100)  # the query's key is in context
+                if t % 2 == 1:
+                    assert value_of.setdefault(row[t - 1], tok) == tok  # one value per key in a sequence
 
 
 def test_h3_data_is_the_published_format():
