@@ -369,8 +369,8 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
 
 def test_train_ar_early_stopping_watches_the_test_loss():
     """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
-    loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3,
-    and the loss is that of the untrained model, built again here."""
+    loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3
+    (after epoch 5 with a warm-up of half the steps), and the loss is that of the untrained model, built again here."""
     data = (*ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
             *ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
     cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
@@ -382,6 +382,17 @@ def test_train_ar_early_stopping_watches_the_test_loss():
     with torch.no_grad():
         loss = F.cross_entropy(model(x_test)[:, -1], y_test[:, -1]).item()
     assert record["test_loss_per_epoch"] == pytest.approx([loss] * 3, rel=1e-6)
+    # the warm-up's epochs do not count (2 steps an epoch, 6 of 12 warm: epochs 2 and 3 end within it), and
+    # target_acc is reached when the accuracy equals it
+    assert train_ar.train_one("softmax", 16, 0, data, dict(cfg, warmup=0.5), "cpu")["epochs"] == 5
+    acc = record["test_acc_per_epoch"][0]
+    assert train_ar.train_one("softmax", 16, 0, data, dict(cfg, patience=0, target_acc=acc), "cpu")["epochs"] == 1
+
+
+def test_train_ar_learning_rate_warms_up_then_decays():
+    """lr_factor by hand: 1 without warm-up; with 4 warm steps of 12, (s + 1) / 4 up to 1, then (12 - s) / 8."""
+    assert [train_ar.lr_factor(s, 0, 12) for s in (0, 5, 11)] == [1.0, 1.0, 1.0]
+    assert [train_ar.lr_factor(s, 4, 12) for s in (0, 1, 3, 4, 8, 11)] == [0.25, 0.5, 1.0, 1.0, 0.5, 0.125]
 
 
 @pytest.mark.parametrize("rule,epochs", [("loss", 6), ("accuracy", 3)])

@@ -166,6 +166,12 @@ def saved_run(path, cfg):
     return ckpt
 
 
+def lr_factor(step, warm, total):
+    """The learning rate's multiplier at `step` (from 0) of `total`: 1 throughout when warm = 0; else a linear
+    warm-up to 1 over the first `warm` steps, then a linear decay to 0 at `total`."""
+    return 1.0 if not warm else min((step + 1) / warm, (total - step) / (total - warm))
+
+
 def rng_states(dev):
     """The random states that dropout draws from: the CPU's and, on a GPU, the GPU's."""
     kind, states = torch.device(dev).type, {"cpu": torch.get_rng_state()}
@@ -202,8 +208,7 @@ def train_one(attention, features, seed, data, cfg, dev):
     steps_per_epoch = -(-len(x_train) // cfg["batch_size"])
     total_steps = cfg["epochs"] * steps_per_epoch
     warm = int(cfg["warmup"] * total_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if not warm else
-                                                 min((s + 1) / warm, (total_steps - s) / (total_steps - warm)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warm, total_steps))
     g = torch.Generator().manual_seed(seed)
     x_val, y_val = x_test[:500], y_test[:500]  # a quarter of the test set: cheap enough for every epoch and the curves
     path = model_path(attention, features, seed, cfg)
