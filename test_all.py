@@ -301,6 +301,15 @@ def test_fidelity_by_hand():
     assert math.isclose(f["entropy"], entropy_r / 2, rel_tol=1e-6)
 
 
+def test_spearman_rows_by_hand():
+    """Causal, T = 4: rows 0 and 1 see fewer than 3 keys and are skipped. Row 2 ranks its keys 0 1 2 and 0 2 1:
+    rho = 1 - 6 sum d^2 / (n (n^2 - 1)) = 1 - 12 / 24 = 0.5; row 3 ranks them in reverse: -1. The mean is -0.25,
+    and the keys a row does not see (here larger than every seen one) change nothing."""
+    x = torch.tensor([[0.1, 9, 9, 9], [0.1, 0.2, 9, 9], [0.1, 0.2, 0.3, 9], [1, 2, 3, 4]], dtype=torch.float64)
+    y = torch.tensor([[0.1, 9, 9, 9], [0.2, 0.1, 9, 9], [0.1, 0.3, 0.2, 9], [4, 3, 2, 1]], dtype=torch.float64)
+    assert math.isclose(distill.spearman_rows(x.view(1, 1, 4, 4), y.view(1, 1, 4, 4)), -0.25, abs_tol=1e-6)  # float32 ranks
+
+
 @pytest.mark.parametrize("name,loss,metric,gain", [("hedgehog", "xent", "kl", 0.8), ("t2r", "xent", "kl", 0.95),
                                                    ("oal", "mse", "rel_mse", 0.8), ("hedgehog", "both", "kl", 0.8)])
 def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metric, gain):
