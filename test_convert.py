@@ -106,6 +106,16 @@ def test_lolcats_attention_transfer_trains_the_maps_and_gates():
     assert after < before and not torch.equal(attn.gate, gate) and torch.equal(attn.q.weight, q_weight)
 
 
+def test_each_method_distils_with_its_papers_loss():
+    """Stage 1 as each paper has it: Hedgehog's cross-entropy to softmax's weights (Sec. 4.2; T2R-HH borrows
+    it), OAL's output calibration (Sec. 4.3), LoLCATs' attention transfer by output MSE (Sec. 3), and none
+    for T2R, the window alone and the untrained ablations."""
+    assert convert.METHODS == {
+        "t2r": ("t2r", None), "t2r-hh": ("t2r", "xent"), "hedgehog": ("hedgehog", "xent"),
+        "hedgehog-untrained": ("hedgehog", None), "quadratic": ("quadratic", "mse"), "oal": ("oal", "mse"),
+        "swa": ("swa", None), "lolcats": ("lolcats", "mse"), "lolcats-untrained": ("lolcats", None)}
+
+
 def test_convert_rejects_a_checkpoint_of_another_kind(tmp_path):
     torch.save({"kind": "something else"}, tmp_path / "bad.pt")
     assert "not a train_gpt.py checkpoint" in run_script("convert.py", f"--ckpt={tmp_path / 'bad.pt'}", ok=False)
