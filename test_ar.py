@@ -389,6 +389,11 @@ def test_train_ar_early_stopping_watches_the_test_loss():
     assert train_ar.train_one("softmax", 16, 0, data, dict(cfg, patience=0, target_acc=acc), "cpu")["epochs"] == 1
 
 
+def test_steps_to_a_level_is_the_first_step_that_reaches_it():
+    curve = [(0, 0.05), (25, 0.5), (50, 0.9), (75, 0.4)]
+    assert [train_ar.steps_to(curve, level) for level in (0.5, 0.9, 0.95)] == [25, 50, None]
+
+
 def test_train_ar_learning_rate_warms_up_then_decays():
     """lr_factor by hand: 1 without warm-up; with 4 warm steps of 12, (s + 1) / 4 up to 1, then (12 - s) / 8."""
     assert [train_ar.lr_factor(s, 0, 12) for s in (0, 5, 11)] == [1.0, 1.0, 1.0]
