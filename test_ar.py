@@ -90,6 +90,22 @@ def test_answer_positions_and_the_retrieval_head():
     assert abs(mass[0, 0] - (count / T).mean()) < 1e-6 and abs(ent[0, 1] - math.log(T)) < 1e-5
 
 
+def test_ar_model_shifts_tokens_and_returns_the_weights_it_uses():
+    """With token_shift, position t's embedding adds the previous token's (an extra index at t = 0), and
+    return_weights gives each layer the attention weights of the input its attention module really gets."""
+    torch.manual_seed(0)
+    model = ar.ARModel("softmax", vocab_size=10, seq_len=6, d_model=8).eval()
+    idx = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    shifted = torch.tensor([[10, 3, 1, 4, 1, 5]])
+    assert torch.equal(model.embed(idx), model.tok(idx) + model.pos.weight + model.prev(shifted))
+    seen = []
+    hooks = [b.attn.register_forward_hook(lambda m, args, out: seen.append(m.weights(args[0]))) for b in model.blocks]
+    _, weights = model(idx, return_weights=True)
+    for h in hooks:
+        h.remove()
+    assert len(weights) == len(seen) == 2 and all(torch.allclose(w, s) for w, s in zip(weights, seen))
+
+
 @pytest.mark.parametrize("target", [16, 64])
 def test_ar_gives_every_map_the_feature_size_asked(target):
     """qk_dim_for picks the q/k head size whose F is closest to the target; the model's map has that F."""
