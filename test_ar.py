@@ -406,6 +406,7 @@ def test_train_ar_early_stopping_watches_the_test_loss():
 
 
 def test_steps_to_a_level_is_the_first_step_that_reaches_it():
+    """The table's "steps to 50%": the first step whose accuracy reaches the level, equal included."""
     curve = [(0, 0.05), (25, 0.5), (50, 0.9), (75, 0.4)]
     assert [train_ar.steps_to(curve, level) for level in (0.5, 0.9, 0.95)] == [25, 50, None]
 

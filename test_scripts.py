@@ -19,6 +19,7 @@ import torch
 import bench_kernel
 import gpt
 import train_ar
+import train_gpt
 from gpt import load_checkpoint, save_checkpoint
 
 
@@ -240,7 +241,6 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
 def test_the_learning_rate_warms_up_then_decays_to_min_lr():
     """train_gpt.lr_at by hand: lr (it + 1) / warmup_iters for the first warmup_iters steps, then a half cosine
     from lr to min_lr at lr_decay_iters (max_iters when 0), min_lr after."""
-    import train_gpt
     cfg = dict(lr=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
     for it, lr in ((0, 0.1), (4, 0.5), (9, 1.0), (10, 1.0), (60, 0.55), (110, 0.1), (150, 0.1)):
         assert train_gpt.lr_at(it, cfg) == pytest.approx(lr, abs=1e-12), it
