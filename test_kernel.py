@@ -340,6 +340,26 @@ def test_kernel_squares_match_float64(backend, dtype, name, T, D):
         assert ((x.double().cpu() - r).norm() / r.norm()).item() < tol
 
 
+@needs_triton
+def test_kernel_squares_gradients_of_every_input():
+    """The Triton closed-form backward, each of the eight inputs' gradient, against the fallback's in float64
+    (gradchecked below) with the same chunk: the chunk decides which pairs' gradient goes through the closed
+    form and which through the features. base and c too, which no map's parameters read (OAL's base is eps)."""
+    fmap = make_map("oal", D=12, H=3)
+    q, k, v = qkv(B=2, H=3, T=70, D=12, Dv=9)
+    inputs = [x.detach() for x in (*fmap(q, k), v, *fmap.squares(q, k))]  # qf, kf, v, then q, k, lam, c, base
+    dy = torch.randn(2, 3, 70, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in inputs]
+    ref = kernel._ChunkedLinearAttention.apply(*ref_in[:3], kernel.EPS, kernel.CHUNK, *ref_in[3:])
+    refs = torch.autograd.grad(ref, ref_in, dy)
+    ins = [x.float().to(DEV).requires_grad_() for x in inputs]
+    y = kernel.causal_linear_attention(*ins[:3], backend="triton", squares=ins[3:])
+    got = torch.autograd.grad(y, ins, dy.float().to(DEV))
+    tol = 2e-3 if DEV == "cuda" else 1e-4  # TF32 dots on a GPU
+    for g, r in zip(got, refs):
+        assert ((g.double().cpu() - r).norm() / r.norm()).item() < tol
+
+
 def test_kernel_squares_gradcheck():
     """Finite differences through the fallback's closed-form backward, every input of squares included."""
     fmap = make_map("oal", D=4, H=1)
