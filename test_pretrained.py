@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import distill
+import fidelity
 import pretrained
 from attention import attention_weights
 
@@ -130,6 +131,16 @@ def test_missing_packages_give_a_clear_message(monkeypatch):
 
 
 @needs_minilm
+def test_contributions_by_hand():
+    """fidelity.contributions with D = 10, so the top 10% is one dimension: q = k = 1 but 3 on dimension 3 gives
+    per-dimension contributions |q_l k_l| of 1 and 9, so that dimension carries 9 / 18 of the sum."""
+    q = torch.ones(1, 2, 5, 10)
+    q[..., 3] = 3.0
+    out = fidelity.contributions(q, q.clone(), causal=True)
+    assert out["top_share"] == pytest.approx([0.5, 0.5]) and out["share"][0][3] == pytest.approx(0.5)
+    assert out["q_abs"][1] == out["k_abs"][1] == pytest.approx([1.0] * 3 + [3.0] + [1.0] * 6)
+
+
 def test_fidelity_report_smoke(tmp_path):
     run_script("fidelity.py", "--maps=elu,hedgehog,oal,swa,lolcats", "--convert_maps=elu,hedgehog,lolcats", "--steps=3",
                "--calib=2", "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False",
