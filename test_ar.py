@@ -381,6 +381,10 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
         assert row["0-1"][0] == sum(p < 2 for p in first) and row["8-15"][0] == sum(p >= 8 for p in first)
     planted = probe_ar.probe(model, x, 16, 9)  # layer 0 still the previous-token copy at the values it reads
     assert planted[1] > 0.95 and planted[3] < 0.5 and planted[5] < 0.5, planted
+    with torch.no_grad():  # the probe reads layer 1's input after its layer norm: with that zeroed, nothing
+        block1.ln1.weight.zero_()
+        block1.ln1.bias.zero_()
+    assert max(probe_ar.probe(model, x, 16, 9).values()) < 0.5
 
 
 def test_train_ar_early_stopping_watches_the_test_loss():
