@@ -106,6 +106,26 @@ def test_lolcats_attention_transfer_trains_the_maps_and_gates():
     assert after < before and not torch.equal(attn.gate, gate) and torch.equal(attn.q.weight, q_weight)
 
 
+def test_distill_model_keeps_the_maps_best_on_validation(monkeypatch):
+    """Stage 1 keeps the maps of its best validation check (every 20 steps): with the validation losses
+    scripted to 3, 1, 2, a 40-step run ends with the maps of the same run stopped at step 20."""
+    teacher, real = tiny_gpt(), distill.distill_loss
+    ids = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))
+
+    def maps_after(iters, val_losses):
+        checks = iter([x / 2 for x in val_losses for _ in range(2)])  # one call per converted layer
+        monkeypatch.setattr(distill, "distill_loss", lambda *a, **kw: real(*a, **kw) if torch.is_grad_enabled()
+                            else torch.tensor(next(checks)))
+        model = tiny_gpt()
+        convert.swap(model, "hedgehog", [0, 1])
+        cfg = dict(distill_lr=1e-2, distill_iters=iters, seed=0, batch_size=4)
+        convert.distill_model(model, teacher, "xent", [0, 1], ids, ids, cfg, "cpu")
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(maps_after(40, [3, 1, 2]), maps_after(20, [3, 1]))
+    assert not torch.equal(maps_after(40, [3, 2, 1]), maps_after(20, [3, 2]))
+
+
 def test_each_method_distils_with_its_papers_loss():
     """Stage 1 as each paper has it: Hedgehog's cross-entropy to softmax's weights (Sec. 4.2; T2R-HH borrows
     it), OAL's output calibration (Sec. 4.3), LoLCATs' attention transfer by output MSE (Sec. 3), and none
