@@ -1,6 +1,6 @@
 """
 Associative recall as a user runs it: ar.py's data and model, train_ar.py's stopping rules and runs
-(plot_ar.py's tables and merges: test_plot_ar.py). Scripts run in subprocesses (test_all.run_script), on
+(plot_ar.py's tables and merges: test_plot_ar.py; probe_ar.py: test_probe_ar.py). Scripts run in subprocesses (test_all.run_script), on
 the fast PyTorch path.
 Run: python -m pytest -q test_ar.py
 """
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import ar
 import configurator
 import feature_maps as fm
-import probe_ar
 import train_ar
 from attention import attention_weights
 
@@ -308,83 +307,6 @@ def test_train_ar_resume_carries_a_run_on_exactly(tmp_path, dev, torch_path):
     torch.save(ckpt, path)
     with pytest.raises(SystemExit, match="holds a model but not its optimiser"):
         train_ar.saved_run(str(path), dict(cut, init_from="resume"))
-
-
-def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
-    """probe_ar.py on a saved model: the offsets, the weight on keys, on each pair's own key and on the
-    first answer are the layers' own weights (loops over them here); the "previous token" truncations
-    are forward passes written out by hand with layer 0 mixing only v[i - 1] (and nothing at the
-    query); a full band leaves the weights as they are; the first-occurrence bins are those of a loop;
-    and the probe reads the own key (and nothing older) exactly when layer 0 is that previous-token
-    copy."""
-    cfg = dict(train_ar.config, format="h3", vocab_size=20, seq_len=32, num_train=64, num_test=120, mlp_ratio=2,
-               token_shift=False, d_model=32, epochs=1, batch_size=32, target_acc=2.0, save_models=True,
-               out_dir=str(tmp_path))
-    data = ar.make_data(cfg)  # probe_ar.py makes the test set again from the saved config
-    train_ar.train_one("elu", 16, 0, data, cfg, "cpu")
-    path = str(tmp_path / "model_elu_F16_seed0.pt")
-    result = probe_ar.main(dict(probe_ar.config, model=path, num=120))
-    assert json.load(open(tmp_path / "probe_model_elu_F16_seed0.json"))["truncation"] == result["truncation"]
-    model, _ = ar.load_model(path)
-    x, y = data[2], data[3]
-    with torch.no_grad():
-        w0 = model(x, return_weights=True)[1][0][:, 0]  # (N, T, T)
-    rows = [i for i in range(x.shape[1]) if i % 2 == 1 and x.shape[1] // 2 <= i < 32]
-    for d in (0, 1, 5):
-        expected = sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows)
-        assert result["layer0"][d][0] == pytest.approx(expected, rel=1e-5)
-    by_pair = result["layer0_own_key_by_pair"]  # every pair's value, the second half's among them
-    assert len(by_pair) == 16
-    assert sum(by_pair[p][0] for p in range(8, 16)) / 8 == pytest.approx(result["layer0"][1][0], rel=1e-5)
-    for p in (0, 3, 15):
-        assert by_pair[p][0] == pytest.approx(w0[:, 2 * p + 1, 2 * p].mean().item(), rel=1e-5)
-    with torch.no_grad():
-        w1 = model(x, return_weights=True)[1][1][:, 0, -1]  # (N, T): the query row
-    firsts = [next(i for i in range(1, 33) if x[n, i - 1] == x[n, -1]) for n in range(120)]
-    expected = sum(w1[n, i].item() for n, i in enumerate(firsts)) / 120
-    assert result["layer1_first_answer"][0] == pytest.approx(expected, rel=1e-5)
-    assert (result["layer1_first_answer"][0] + result["layer1_later_answers"][0]
-            == pytest.approx(result["layer1_answer"][2][0], rel=1e-5))
-    on_keys = sum(w0[:, i, 0:i + 1:2].sum(-1).mean().item() for i in rows) / len(rows)
-    assert result["layer0_on_keys"][0] == pytest.approx(on_keys, rel=1e-5)
-    W = (torch.rand(2, 1, 6, 6) + 0.1).tril()
-    W = W / W.sum(-1, keepdim=True)  # every weight >= 0.1 / 6.6, so band's EPS moves them by < 1e-4
-    assert torch.allclose(probe_ar.band(W, 6), W, atol=1e-4)
-    assert torch.allclose(probe_ar.band(W, 1), torch.eye(6).expand_as(W), atol=1e-4)
-    two = probe_ar.band(W, 2)[0, 0]
-    assert torch.allclose(two[3, 2:4], W[0, 0, 3, 2:4] / W[0, 0, 3, 2:4].sum(), atol=1e-4) and two[3, :2].sum() == 0
-
-    assert result["truncation"]["as trained"]["all"][1] == ar.evaluate(model.eval(), x, y)[0]
-    with torch.no_grad():
-        right = (model.eval()(x)[:, -1].argmax(-1) == y[:, -1]).tolist()
-    first = [next(p for p in range(16) if x[n, 2 * p] == x[n, -1]) for n in range(120)]  # by a loop
-    early = [r for r, p in zip(right, first) if p < 2]
-    assert result["truncation"]["as trained"]["0-1"] == [len(early), sum(early) / len(early)]
-    block0, block1 = model.blocks
-    with torch.no_grad():  # layer 0 with only v[i - 1], by hand, and the same with nothing at the query
-        embedded = model.embed(x)
-        _, _, v = block0.attn.heads(block0.ln1(embedded))  # (N, 1, T, C)
-        prev = torch.cat([v[:, :, :1], v[:, :, :-1]], 2)
-        quiet = prev.clone()
-        quiet[:, :, -1] = 0
-        answers = {}
-        for name, mixed in (("previous token", prev), ("previous token but the query", quiet)):
-            h = embedded + block0.attn.o(mixed.transpose(1, 2).flatten(2))
-            answers[name] = model.head(model.ln_f(block1(h + block0.mlp(block0.ln2(h)))))[:, -1]
-            block0.attn.mix = probe_ar.truncated_mix(block0.attn, probe_ar.layer0_variants(x.shape[1])[name])
-            assert torch.allclose(model(x)[:, -1], answers[name], atol=1e-5), name
-            accuracy = (answers[name].argmax(-1) == y[:, -1]).double().mean().item()
-            assert result["truncation"][name]["all"][1] == accuracy, name
-        assert not torch.allclose(*answers.values(), atol=1e-3)
-    for row in result["truncation"].values():
-        assert sum(n for b, (n, _) in row.items() if b != "all") == row["all"][0] == 120
-        assert row["0-1"][0] == sum(p < 2 for p in first) and row["8-15"][0] == sum(p >= 8 for p in first)
-    planted = probe_ar.probe(model, x, 16, 9)  # layer 0 still the previous-token copy at the values it reads
-    assert planted[1] > 0.95 and planted[3] < 0.5 and planted[5] < 0.5, planted
-    with torch.no_grad():  # the probe reads layer 1's input after its layer norm: with that zeroed, nothing
-        block1.ln1.weight.zero_()
-        block1.ln1.bias.zero_()
-    assert max(probe_ar.probe(model, x, 16, 9).values()) < 0.5
 
 
 def test_train_ar_early_stopping_watches_the_test_loss():
