@@ -269,7 +269,7 @@ def test_a_kill_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
 @needs_tokenizer
 def test_ddp_two_cpu_processes(tmp_path):
     """Two processes train one model on different batches: the checkpoint keeps each rank's sampler."""
-    run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+    run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                os.path.join(HERE, "train_gpt.py"), "--max_iters=3", "--eval_interval=3", "--eval_iters=1",
                "--batch_size=2", "--n_layer=1", "--d_model=16", "--block_size=16", "--sample_tokens=2",
                "--attention=hedgehog", f"--out_dir={tmp_path}", f"--results={tmp_path / 'gpt.json'}")

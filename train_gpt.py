@@ -168,10 +168,13 @@ def main(cfg):
         opt.step()
     seconds = time.time() - t0
     if ddp:
-        dist.barrier()  # both ranks done with gloo before either tears it down (else an abort at exit)
+        dist.barrier()  # every rank is done with gloo
         dist.destroy_process_group()
-    if not master:
-        return
+        if not master:
+            # gloo's worker thread may free the last collective after Python has begun to shut down, which
+            # aborts the process ("terminate called without an active exception"), so a rank with nothing
+            # left to do leaves without that shutdown
+            os._exit(0)
     prompt = val_ids[:8][None].to(dev)
     text = enc.decode(vocab[raw.generate(prompt, cfg["sample_tokens"])[0].cpu()].tolist())
     print(f"sample ({cfg['attention']}, recurrent decoding):\n{text}\n")
