@@ -86,6 +86,20 @@ def test_swap_keeps_projections_and_layer_qkv_matches_model():
     assert torch.equal(model.blocks[1].attn.q.weight, w)
 
 
+def test_fidelity_of_a_converted_model_is_the_mean_over_its_layers():
+    """converted_mimicry over layers 0 and 1 is the mean of its values for each layer alone."""
+    teacher, model = tiny_gpt().double(), tiny_gpt().double()
+    torch.manual_seed(1)
+    convert.swap(model, "hedgehog", [0, 1])
+    for p in model.parameters():  # maps that differ from their identity start, so the layers differ
+        p.data.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    both, one, two = (convert.converted_mimicry(model, teacher, idx, ids) for ids in ([0, 1], [0], [1]))
+    assert one["kl"] != pytest.approx(two["kl"])
+    for key in both:
+        assert both[key] == pytest.approx((one[key] + two[key]) / 2, rel=1e-9), key
+
+
 def test_lolcats_attention_transfer_trains_the_maps_and_gates():
     """Stage 1 for lolcats: the output MSE of the hybrid against softmax falls, and the Hedgehog maps (one
     per side) and the gates move; the projections do not."""
@@ -104,6 +118,18 @@ def test_lolcats_attention_transfer_trains_the_maps_and_gates():
     after = sum(distill.distill_loss(model.blocks[i].attn.fmap, *qkv, "mse", True, 4, model.blocks[i].attn.g())
                 for i, qkv in distill.layer_qkv(teacher, idx, [0, 1]).items()).item()
     assert after < before and not torch.equal(attn.gate, gate) and torch.equal(attn.q.weight, q_weight)
+
+
+def test_distill_model_trains_on_training_batches_and_checks_on_validation(monkeypatch):
+    """Stage 1 draws one fixed validation batch from the validation ids and each step's batch from the training ids."""
+    real, drawn = convert.get_batch, []
+    monkeypatch.setattr(convert, "get_batch", lambda ids, *a: drawn.append(ids) or real(ids, *a))
+    train, val = torch.randint(0, 50, (400,)), torch.randint(0, 50, (400,))
+    model = tiny_gpt()
+    convert.swap(model, "hedgehog", [0, 1])
+    cfg = dict(distill_lr=1e-2, distill_iters=3, seed=0, batch_size=4)
+    convert.distill_model(model, tiny_gpt(), "xent", [0, 1], train, val, cfg, "cpu")
+    assert ["val" if ids is val else "train" if ids is train else "?" for ids in drawn] == ["val", "train", "train", "train"]
 
 
 def test_distill_model_keeps_the_maps_best_on_validation(monkeypatch):

@@ -198,7 +198,8 @@ def test_fidelity_report_gpt2_path(monkeypatch, tmp_path, capsys):
 @needs_transformers
 def test_convert_from_gpt2(monkeypatch, tmp_path):
     """convert.py --init=gpt2 end to end on a small random GPT-2 and a character tokenizer standing in
-    for the download: the teacher's perplexity is the softmax record, and a converted model trains."""
+    for the download: the teacher's perplexity is the softmax record, a converted model trains, and the
+    text's last 10% of tokens is validation."""
     import convert
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
@@ -211,6 +212,10 @@ def test_convert_from_gpt2(monkeypatch, tmp_path):
     records = convert.main(cfg)
     assert [r["method"] for r in records] == ["softmax", "hedgehog"]
     assert all(r["val_ppl"] > 1 for r in records) and records[1]["trainable_params"] > 0
+    text = "".join(chr(97 + i % 26) for i in range(1000))
+    (tmp_path / "t.txt").write_text(text)
+    _, train, val = convert.load_teacher(dict(cfg, data=str(tmp_path / "t.txt")), "cpu")
+    assert "".join(map(chr, train.tolist())) == text[:900] and "".join(map(chr, val.tolist())) == text[900:]
 
 
 def test_fidelity_rejects_bad_settings():

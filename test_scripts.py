@@ -148,6 +148,51 @@ def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
     assert model.generate(idx[:, :3], 5).shape == (4, 8)
 
 
+def test_generate_samples_at_its_temperature_up_to_block_size_plus_one():
+    """GPT.generate divides the logits by the temperature (near 0: the most likely token each time, checked
+    against the parallel forward's argmax) and stops at block_size + 1 tokens, where learned positions end."""
+    model = tiny_gpt("hedgehog").double()
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, 6, temperature=1e-9)
+    assert torch.equal(out[:, :3], prompt) and out.shape == (2, 9)
+    greedy = model(out[:, :-1])[0].argmax(-1)  # (2, 8): the most likely next token at each position
+    assert torch.equal(out[:, 3:], greedy[:, 2:])
+    assert model.generate(prompt, 100).shape == (2, model.block_size + 1)
+
+
+def test_gpt_data_split_init_and_evaluation_as_documented(tmp_path, monkeypatch):
+    """gpt.py's documented choices, by hand: prepare() keeps the last 10% of the tokens for validation and
+    remaps ids to the sorted ids that occur; GPT() starts as GPT-2 (weights N(0, 0.02), zero biases, a tied
+    head); evaluate() is the mean loss over `iters` batches drawn from a generator seeded 1234."""
+    class Chars:  # a tokenizer whose ids are the characters' code points
+        name = "chars"
+
+        def encode_ordinary(self, text):
+            return [ord(c) for c in text]
+
+    monkeypatch.setattr(gpt, "get_encoding", lambda name: Chars())
+    text = "".join(chr(97 + (i * 7) % 13) for i in range(1000))
+    (tmp_path / "t.txt").write_text(text)
+    train, val, vocab, _ = gpt.prepare(str(tmp_path / "t.txt"), "chars", 8)
+    assert (len(train), len(val)) == (900, 100)
+    assert vocab.tolist() == sorted(set(map(ord, text)))
+    assert "".join(chr(i) for i in vocab[torch.cat([train, val])].tolist()) == text
+
+    torch.manual_seed(0)
+    model = gpt.GPT(vocab_size=500, block_size=64, n_layer=2, n_head=4, d_model=128, bias=True)
+    assert model.head.weight is model.tok.weight
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert not p.any(), name
+        elif p.dim() == 2:
+            assert abs(p.std().item() - 0.02) < 0.002, (name, p.std().item())
+
+    gen = torch.Generator().manual_seed(1234)
+    by_hand = [model(*gpt.get_batch(train, 64, 3, gen, "cpu"))[1].item() for _ in range(4)]
+    assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)
+    assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)  # the same batches
+
+
 # ----------------------------------------------------------------------------------------------
 # the scripts end to end: tokenizer, checkpoints, resume, conversion
 
@@ -213,11 +258,14 @@ def test_readme_commands_in_order(tmp_path):
     again = json.load(open(tmp_path / "again.json"))
     assert [r["seed"] for r in again] == [0, 1] and again[0]["val_ppl"] == records[0]["val_ppl"]
     assert "validation perplexity over seeds [0, 1]: mean ± std" in out
+    out = run_script("convert.py", "--methods=hedgehog", "--layers=middle", "--distill_iters=1", "--finetune_iters=1",
+                     "--eval_iters=1", "--batch_size=4", "--plots=false", "--results=middle.json", cwd=tmp_path)
+    assert "hedgehog: hedgehog in layers [1]" in out  # of 3: softmax stays in the first and last
     assert "no checkpoint at typo.pt" in run_script("convert.py", "--ckpt=typo.pt", cwd=tmp_path, ok=False)
-    run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4",
+    run_script("decode.py", "--contexts=64", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=40",
                f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)  # part 2 reads both checkpoints
     gpt_rows = [r for r in json.load(open(tmp_path / "decode.json"))["records"] if r["part"] == "gpt"]
-    assert [(r["attention"], r["context"]) for r in gpt_rows] == [("softmax", 4), ("hedgehog", 4)]
+    assert [(r["attention"], r["context"]) for r in gpt_rows] == [("softmax", 32), ("hedgehog", 32)]  # block_size
 
 
 @needs_tokenizer
@@ -236,6 +284,20 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
     for key in a["model"]:
         assert torch.allclose(a["model"][key], b["model"][key], rtol=0, atol=1e-7), key
     assert torch.allclose(a["optimizer"]["state"][0]["exp_avg"], b["optimizer"]["state"][0]["exp_avg"], atol=1e-9)
+
+
+@needs_tokenizer
+def test_checkpoints_keep_the_last_and_the_best_evaluation(tmp_path, monkeypatch):
+    """ckpt.pt holds the last evaluation, best.pt the best, and both record the best loss so far (the
+    validation losses scripted to 3, 1, 2 at steps 0, 2, 4)."""
+    losses = iter([3.0, 1.0, 2.0])
+    monkeypatch.setattr(train_gpt, "evaluate", lambda *a: next(losses))
+    cfg = dict(train_gpt.config, max_iters=4, eval_interval=2, eval_iters=1, batch_size=2, n_layer=1, d_model=16,
+               block_size=16, sample_tokens=1, device="cpu", out_dir=str(tmp_path), results=str(tmp_path / "r.json"))
+    train_gpt.main(cfg)
+    last, best = (torch.load(tmp_path / name, weights_only=False) for name in ("ckpt.pt", "best.pt"))
+    assert (last["iter_num"], last["best_val_loss"]) == (4, 1.0)
+    assert (best["iter_num"], best["best_val_loss"]) == (2, 1.0)
 
 
 def test_the_learning_rate_warms_up_then_decays_to_min_lr():
@@ -293,6 +355,8 @@ def test_decode_benchmark_smoke(tmp_path):
         assert layer["swa", T]["state_bytes"] == 2 * 2 * 16 * 8 * 4
         assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
     assert all(r["ms_per_token"] > 0 for r in result["records"])
+    growth = {name: result["summary"][name]["state_growth"] for name in result["summary"]}
+    assert growth == {"softmax": 4, "hedgehog": 1, "swa": 1, "lolcats": 1}  # from 64 to 256 tokens, window 16
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
 
 
