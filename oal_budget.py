@@ -27,6 +27,7 @@ import distill
 import pretrained
 from configurator import at_least, configure, integers, layer_list, positive, pyplot, writable
 from feature_maps import OAL
+from fidelity import contributions
 from oal_groups import contribution_scores, find_groups
 from gpt import load_text
 
@@ -88,8 +89,7 @@ def main(cfg):
     for i in layer_ids:
         attn = net.blocks[i].attn
         scores = contribution_scores(*calib_qkv[i][:2], attn.causal).cpu()  # (B, H, D)
-        c = scores.mean(0)
-        top_share = (c.sort(-1, descending=True).values[:, :max(1, round(0.1 * D))].sum(-1) / c.sum(-1)).tolist()
+        top_share = contributions(*calib_qkv[i][:2], attn.causal)["top_share"]  # (H,): the top 10% of dimensions' share
         groupings = {}
         for G in budgets:
             groups = torch.stack([find_groups(scores[:, h], budget=G) for h in range(scores.shape[1])])

@@ -181,7 +181,8 @@ def check_length(model, T):
 
 
 def windows(ids, n, T, special, gen):
-    """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT."""
+    """n random windows of T tokens from ids (a 1-D tensor), as (n, T); [CLS] ... [SEP] around them for BERT.
+    Starts are drawn below len(ids) - inner, so the text's last token is in no window."""
     inner = T - (2 if special else 0)
     if len(ids) <= inner:
         raise SystemExit(f"error: the text has {len(ids)} tokens, too few for windows of {T}; try a shorter --seq_len")

@@ -14,7 +14,7 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
-from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import run_script, tiny_gpt  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import distill
 import fidelity
+import oal_budget
 import pretrained
 from attention import attention_weights
 
@@ -172,6 +173,57 @@ def test_oal_budget_smoke(tmp_path):
     for s in saved["summary"]["results"]:
         heads = rows[s["kind"], s["G"]]["rel_mse_heads"]
         assert s["heads_below_one_group"] == sum(heads[h] < one_group[h] for h in range(12))
+
+
+def test_the_studies_helpers_by_hand():
+    """The pieces of fidelity.py and oal_budget.py that their smoke tests cannot see, each against values
+    written out here: the distillation loss of each map, the held-out sentences, the windows, the random
+    groups, the conversion's perplexity and the budget table's means and most skewed head."""
+    assert {name: fidelity.LOSS.get(name, "xent") for name in ("hedgehog", "t2r", "quadratic", "oal", "lolcats")} == {
+        "hedgehog": "xent", "t2r": "xent", "quadratic": "mse", "oal": "mse", "lolcats": "mse"}  # as convert.METHODS
+    text = ("Four words are short. Eight words make a long enough sentence here. lower case starts are not "
+            "sentences anyone counts here! Nine words and a question mark make this count? Ten.")
+    got = fidelity.held_out_sentences(text, lambda t: [len(w) for w in t.split()], (101, 102), n=5, max_tokens=11)
+    assert [x.tolist() for x in got] == [[[101, 5, 5, 4, 1, 4, 6, 8, 5, 102]], [[101, 4, 5, 3, 1, 8, 4, 4, 4, 6, 102]]]
+
+    x = pretrained.windows(torch.arange(20), 2000, 6, (101, 102), torch.Generator().manual_seed(0))
+    assert (x[:, 0] == 101).all() and (x[:, -1] == 102).all() and (x[:, 2:-1] - x[:, 1:-2] == 1).all()
+    assert sorted(set(x[:, 1].tolist())) == list(range(16))  # every start below 20 - 4 (the docstring says why)
+
+    groups = torch.tensor([[0] * 20 + [1] * 10 + [2] * 2, [0] * 31 + [1]])  # (H, D) = (2, 32)
+    shuffled = oal_budget.random_like(groups, torch.Generator().manual_seed(0))
+    assert [g.bincount().tolist() for g in shuffled] == [[20, 10, 2], [31, 1]] and not torch.equal(shuffled, groups)
+
+    model = tiny_gpt()
+    test_ids = torch.randint(0, 50, (3, 13), generator=torch.Generator().manual_seed(0))
+    students = {"same": {i: model.blocks[i].attn for i in (0, 1)}}
+    out = fidelity.conversion(model, students, ["same"], [0, 1], None, test_ids)
+    by_hand = math.exp(model(test_ids[:, :-1], test_ids[:, 1:])[1].item())
+    assert out["original"]["ppl"] == pytest.approx(by_hand) and out["same"]["ppl"] == pytest.approx(by_hand)
+
+    row = lambda layer, kind, G, heads, out, share: dict(layer=layer, kind=kind, G=G, rel_mse_heads=heads,
+                                                          rel_mse_out=out, top_share=share)
+    rows = [row(0, "contribution", 1, [4.0, 2.0], 1.0, [0.3, 0.5]), row(1, "contribution", 1, [6.0, 8.0], 3.0, [0.2, 0.1]),
+            row(0, "random", 2, [1.0, 3.0], 2.0, [0.3, 0.5]), row(1, "random", 2, [7.0, 9.0], 5.0, [0.2, 0.1])]
+    summary = oal_budget.report(rows, 2)
+    assert summary["most_skewed_head"] == {"layer": 0, "head": 1}
+    assert summary["results"] == [
+        {"kind": "contribution", "G": 1, "rel_mse": 5.0, "rel_mse_out": 2.0, "skewed_head": 2.0, "heads_below_one_group": 0},
+        {"kind": "random", "G": 2, "rel_mse": 5.0, "rel_mse_out": 3.5, "skewed_head": 3.0, "heads_below_one_group": 1}]
+
+
+@needs_minilm
+def test_oal_budget_draws_calibration_and_validation_from_the_first_80_percent(tmp_path, monkeypatch):
+    """Calibration and best-checkpoint windows come from the text's first 80%, test windows from the rest."""
+    text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
+    (tmp_path / "t.txt").write_text(text)
+    drawn, real = [], pretrained.windows
+    monkeypatch.setattr(pretrained, "windows", lambda ids, n, *a: drawn.append((n, ids.tolist())) or real(ids, n, *a))
+    oal_budget.main(dict(oal_budget.config, text=str(tmp_path / "t.txt"), layers="0", budgets="1", steps=0, calib=3,
+                         test=1, val=2, seq_len=16, out=str(tmp_path / "b.json")))
+    encode = pretrained.load("minilm")[1]
+    cut = int(0.8 * len(text))
+    assert drawn == [(3, encode(text[:cut])), (1, encode(text[cut:])), (2, encode(text[:cut]))]
 
 
 @needs_transformers
