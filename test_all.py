@@ -31,6 +31,7 @@ if not torch.cuda.is_available() and _interpreter_runs_our_kernels():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch.nn as nn
 import torch.nn.functional as F
 
 import ar
@@ -299,6 +300,60 @@ def test_fidelity_by_hand():
     assert math.isclose(f["rel_mse"], ((p - r) ** 2).sum().item() / (1 + (p ** 2).sum().item()), rel_tol=1e-5)
     entropy_r = -(r * r.log()).sum().item()
     assert math.isclose(f["entropy"], entropy_r / 2, rel_tol=1e-6)
+
+
+def test_distillation_losses_and_output_errors_by_hand(monkeypatch):
+    """The example above: xent is -sum_j p_j log r_j per row, 0 in row 0, averaged over the 2 rows; mse the
+    mean of the 4 output entries' squared errors; "both" their sum. With two windows in a batch, mimicry's
+    RelMSE and output_rel_mse's per head are means of each window's own (not pooled), and output_rel_mse
+    after the output projection is computed here with its weights. layer_qkv leaves no hooks behind."""
+    q = torch.tensor([1.0, 2.0], dtype=torch.float64).view(1, 1, 2, 1)
+    k = torch.tensor([1.0, 3.0], dtype=torch.float64).view(1, 1, 2, 1)
+    v = torch.eye(2, dtype=torch.float64).view(1, 1, 2, 2)
+    p = torch.tensor([1 / (1 + math.e ** 4), math.e ** 4 / (1 + math.e ** 4)], dtype=torch.float64)
+    r = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    relu = fm.make_feature_map("relu", 1)
+    xent, mse = -(p * r.log()).sum().item() / 2, ((p - r) ** 2).sum().item() / 4
+    for loss, want in (("xent", xent), ("mse", mse), ("both", xent + mse)):
+        assert distill.distill_loss(relu, q, k, v, loss).item() == pytest.approx(want, rel=1e-6), loss
+
+    q, k, v = qkv(B=2, H=2, T=6, D=4, Dv=4, seed=3)
+    q[1], k[1] = 3 * q[1], 3 * k[1]  # the second window is sharper: its errors differ from the first's
+    elu = fm.make_feature_map("elu", 4)
+    one = [distill.mimicry(q[b:b + 1], k[b:b + 1], v[b:b + 1], elu)["rel_mse"] for b in (0, 1)]
+    assert one[0] != pytest.approx(one[1], rel=0.1)
+    assert distill.mimicry(q, k, v, elu)["rel_mse"] == pytest.approx(sum(one) / 2, rel=1e-6)
+    attn = MultiHeadAttention(8, 2, bias=True).double()
+    heads = [distill.output_rel_mse(attn, elu, q[b:b + 1], k[b:b + 1], v[b:b + 1])[0] for b in (0, 1)]
+    per_head, after_o = distill.output_rel_mse(attn, elu, q, k, v)
+    assert per_head == pytest.approx([(x + y) / 2 for x, y in zip(*heads)], rel=1e-9)
+    merge = lambda x: x.transpose(1, 2).reshape(2, 6, 8) @ attn.o.weight.T + attn.o.bias  # (B, T, C), projected
+    y, yhat = merge(softmax_attention(q, k, v)), merge(linear_attention_quadratic(*elu(q, k), v))
+    assert after_o == pytest.approx((((yhat - y) ** 2).sum((1, 2)) / (y ** 2).sum((1, 2))).mean().item(), rel=1e-9)
+
+    model = tiny_gpt()
+    distill.layer_qkv(model, torch.zeros(1, 4, dtype=torch.long), [0, 1])
+    assert not any(block.attn._forward_pre_hooks for block in model.blocks)
+
+
+def test_distillation_checks_the_last_step_and_trains_the_gate(monkeypatch):
+    """distill_feature_map checks the held-out loss at every eval_every steps and at the last: with it scripted
+    to 3, 2, 1 at steps 0, 10 and 15, the last parameters are kept (those of the same run without held-out
+    windows). With a window, the hybrid's gate trains with the map."""
+    q, k, v = qkv(B=2, T=16, D=8, Dv=8, seed=1)
+    real, scripted = distill.distill_loss, iter([3.0, 2.0, 1.0])
+    monkeypatch.setattr(distill, "distill_loss", lambda *a, **kw: real(*a, **kw) if torch.is_grad_enabled()
+                        else torch.tensor(next(scripted)))
+    maps = []
+    for val in ((q, k, v), None):
+        fmap = fm.make_feature_map("hedgehog", 8, 2).double()
+        distill.distill_feature_map(fmap, q, k, v, loss="mse", steps=15, val=val)
+        maps.append(torch.cat([p.detach().flatten() for p in fmap.parameters()]))
+    assert next(scripted, None) is None and torch.equal(*maps)
+    gate = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    distill.distill_feature_map(fm.make_feature_map("hedgehog", 8, 2).double(), q, k, v, loss="mse", steps=3,
+                                window=4, gate_logit=gate)
+    assert (gate != 0).all()
 
 
 def test_spearman_rows_by_hand():
