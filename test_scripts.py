@@ -1,7 +1,7 @@
 """
 The scripts as a user runs them: the kernel benchmarks, the GPT and its conversion, tokenizer,
 checkpoints, resume, decoding, and one-line refusals of bad input (associative recall: test_ar.py;
-convert.py's parts: test_convert.py).
+convert.py's parts: test_convert.py; the GPT model itself: test_gpt.py).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -11,7 +11,7 @@ import json
 import os
 import re
 
-from test_all import HERE, NAMES, run_script, tiny_gpt  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import HERE, run_script  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
@@ -116,81 +116,6 @@ def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
         bench_kernel.device_report(cfg)
     rows = json.load(open(out))["rows"]
     assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
-
-
-# ----------------------------------------------------------------------------------------------
-# the GPT (convert.py's parts: test_convert.py)
-
-
-@pytest.mark.parametrize("name", ["softmax"] + NAMES)
-def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
-    """train_gpt.py's model with each attention, as the script builds it (no extra arguments: cosFormer
-    must get its fixed length from the GPT): a few AdamW steps on one batch lower the loss, then decoding
-    token by token (KV cache or (S, z) state) gives the parallel forward's logits, and generate() runs."""
-    model = tiny_gpt(name)
-    idx = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
-    model.double()
-    logits, _ = model(idx[:, :20])
-    caches, steps = [None, None], []
-    for t in range(20):
-        step_logits, caches = model.step(idx[:, t], t, caches)
-        steps.append(step_logits)
-    assert torch.allclose(torch.stack(steps, 1), logits, atol=1e-6)
-    assert model.generate(idx[:, :3], 5).shape == (4, 8)
-
-
-def test_generate_samples_at_its_temperature_up_to_block_size_plus_one():
-    """GPT.generate divides the logits by the temperature (near 0: the most likely token each time, checked
-    against the parallel forward's argmax) and stops at block_size + 1 tokens, where learned positions end."""
-    model = tiny_gpt("hedgehog").double()
-    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(0))
-    out = model.generate(prompt, 6, temperature=1e-9)
-    assert torch.equal(out[:, :3], prompt) and out.shape == (2, 9)
-    greedy = model(out[:, :-1])[0].argmax(-1)  # (2, 8): the most likely next token at each position
-    assert torch.equal(out[:, 3:], greedy[:, 2:])
-    assert model.generate(prompt, 100).shape == (2, model.block_size + 1)
-
-
-def test_gpt_data_split_init_and_evaluation_as_documented(tmp_path, monkeypatch):
-    """gpt.py's documented choices, by hand: prepare() keeps the last 10% of the tokens for validation and
-    remaps ids to the sorted ids that occur; GPT() starts as GPT-2 (weights N(0, 0.02), zero biases, a tied
-    head); evaluate() is the mean loss over `iters` batches drawn from a generator seeded 1234."""
-    class Chars:  # a tokenizer whose ids are the characters' code points
-        name = "chars"
-
-        def encode_ordinary(self, text):
-            return [ord(c) for c in text]
-
-    monkeypatch.setattr(gpt, "get_encoding", lambda name: Chars())
-    text = "".join(chr(97 + (i * 7) % 13) for i in range(1000))
-    (tmp_path / "t.txt").write_text(text)
-    train, val, vocab, _ = gpt.prepare(str(tmp_path / "t.txt"), "chars", 8)
-    assert (len(train), len(val)) == (900, 100)
-    assert vocab.tolist() == sorted(set(map(ord, text)))
-    assert "".join(chr(i) for i in vocab[torch.cat([train, val])].tolist()) == text
-
-    torch.manual_seed(0)
-    model = gpt.GPT(vocab_size=500, block_size=64, n_layer=2, n_head=4, d_model=128, bias=True)
-    assert model.head.weight is model.tok.weight
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            assert not p.any(), name
-        elif p.dim() == 2:
-            assert abs(p.std().item() - 0.02) < 0.002, (name, p.std().item())
-
-    gen = torch.Generator().manual_seed(1234)
-    by_hand = [model(*gpt.get_batch(train, 64, 3, gen, "cpu"))[1].item() for _ in range(4)]
-    assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)
-    assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)  # the same batches
 
 
 # ----------------------------------------------------------------------------------------------
