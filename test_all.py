@@ -262,6 +262,18 @@ def test_mha_weights_are_the_ones_forward_uses(name):
     assert (y - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
+def test_softmax_dropout_only_while_training():
+    """attn_dropout drops softmax weights in training mode only: in eval mode the output is the module's
+    without dropout, in training mode it is not."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, attn_dropout=0.5).double()
+    plain = MultiHeadAttention(16, 2).double()
+    plain.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    assert torch.equal(mha.eval()(x), plain(x))
+    assert not torch.allclose(mha.train()(x), plain(x))
+
+
 @pytest.mark.parametrize("name", ["softmax", "hedgehog", "taylor"])
 def test_qk_dim_narrower_than_v(name, torch_path):
     """MultiHeadAttention with q, k of qk_dim and v of C / H: the output against softmax_attention or
