@@ -40,7 +40,7 @@ import distill
 import pretrained
 from attention import ATTENTIONS, attention_weights
 from configurator import at_least, choices, configure, integers, layer_list, positive, pyplot, writable
-from oal_groups import contribution_scores
+from oal_groups import contribution_scores, top_share
 from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
@@ -105,8 +105,7 @@ def contributions(q, k, causal, top_frac=0.1):
     and per dimension the mean |q|, the mean |k| and the share. q, k: (B, H, T, D) -> lists over heads."""
     c = contribution_scores(q, k, causal).mean(0)  # (H, D)
     share = c / c.sum(-1, keepdim=True)
-    top = max(1, round(top_frac * c.shape[-1]))
-    return {"top_share": share.sort(-1, descending=True).values[:, :top].sum(-1).tolist(),
+    return {"top_share": top_share(c, top_frac).tolist(),
             "q_abs": q.abs().mean((0, 2)).tolist(), "k_abs": k.abs().mean((0, 2)).tolist(), "share": share.tolist()}
 
 

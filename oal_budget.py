@@ -27,8 +27,7 @@ import distill
 import pretrained
 from configurator import at_least, configure, integers, layer_list, positive, pyplot, writable
 from feature_maps import OAL
-from fidelity import contributions
-from oal_groups import contribution_scores, find_groups
+from oal_groups import contribution_scores, find_groups, top_share
 from gpt import load_text
 
 # ---- config: plain values, override with --key=value ----
@@ -89,7 +88,7 @@ def main(cfg):
     for i in layer_ids:
         attn = net.blocks[i].attn
         scores = contribution_scores(*calib_qkv[i][:2], attn.causal).cpu()  # (B, H, D)
-        top_share = contributions(*calib_qkv[i][:2], attn.causal)["top_share"]  # (H,): the top 10% of dimensions' share
+        share = top_share(scores.mean(0)).tolist()  # (H,): the top 10% of dimensions' share of the contribution
         groupings = {}
         for G in budgets:
             groups = torch.stack([find_groups(scores[:, h], budget=G) for h in range(scores.shape[1])])
@@ -109,7 +108,7 @@ def main(cfg):
             per_head, after_o = fitted[key]
             n_groups = [int(g.max()) + 1 for g in groups]
             rows.append({"layer": i, "kind": kind, "G": G, "groups_per_head": n_groups, "rel_mse_heads": per_head,
-                         "rel_mse": sum(per_head) / len(per_head), "rel_mse_out": after_o, "top_share": top_share})
+                         "rel_mse": sum(per_head) / len(per_head), "rel_mse_out": after_o, "top_share": share})
             print(f"layer {i} {kind:<13} G={G:<2} RelMSE {rows[-1]['rel_mse']:.4f}, after o {after_o:.4f} "
                   f"(groups per head {min(n_groups)}-{max(n_groups)}; {time.time() - t:.0f} s)", flush=True)
     summary = report(rows, D)

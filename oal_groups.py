@@ -3,6 +3,7 @@ OAL's grouping of a head's dimensions (OAL Sec. 3.1, 4.2, App. B): which dimensi
 of q . k and get their own coefficients in the grouped quadratic kernel (feature_maps.OAL).
 
     contribution_scores(q, k, causal)  c_l = mean over attending pairs of |q_il k_jl|, per head
+    top_share(c)                       per head, the share of the contribution its top 10% of dimensions carry
     rank_cuts(scores)                  the candidate boundaries between groups, best first (bootstrap support)
     find_groups(scores)                the published rule (ratio >= 1.5, support >= 90%, at most 4 cuts), or a budget
 
@@ -25,6 +26,14 @@ def contribution_scores(q, k, causal=True):
     T = q.shape[-2]
     pairs = T * (T + 1) / 2
     return (q.abs() * k.abs().cumsum(-2)).sum(-2) / pairs
+
+
+def top_share(c, frac=0.1):
+    """Per head, the share of the summed contribution that the top `frac` of dimensions carry (uniform
+    scores: frac). c: (H, D) contribution scores -> (H,)."""
+    share = c / c.sum(-1, keepdim=True)
+    top = max(1, round(frac * c.shape[-1]))
+    return share.sort(-1, descending=True).values[:, :top].sum(-1)
 
 
 def rank_cuts(scores, min_ratio=1.5, bootstrap=100, seed=0):

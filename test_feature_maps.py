@@ -372,6 +372,14 @@ def test_contribution_scores_match_pairwise_mean():
     assert torch.allclose(oal_groups.contribution_scores(q, k, causal=False), ref, atol=1e-12)
 
 
+def test_top_share_hand_worked():
+    """D = 10, nine dimensions of 1 and one of 11 (sum 20): the top 10% is that one, 11 / 20; the top 20%
+    adds a 1, 12 / 20; uniform scores give 10%."""
+    c = torch.tensor([[1.0] * 9 + [11.0], [2.0] * 10], dtype=torch.float64)
+    assert oal_groups.top_share(c).tolist() == pytest.approx([0.55, 0.1])
+    assert oal_groups.top_share(c, frac=0.2).tolist() == pytest.approx([0.6, 0.2])
+
+
 def constant_rows(c, N=8):
     """N calibration sequences that all have the mean scores c: every bootstrap resample is c itself."""
     return torch.tensor(c, dtype=torch.float64).expand(N, len(c))

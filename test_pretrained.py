@@ -175,10 +175,9 @@ def test_oal_budget_smoke(tmp_path):
         assert s["heads_below_one_group"] == sum(heads[h] < one_group[h] for h in range(12))
 
 
-def test_the_studies_helpers_by_hand():
-    """The pieces of fidelity.py and oal_budget.py that their smoke tests cannot see, each against values
-    written out here: the distillation loss of each map, the held-out sentences, the windows, the random
-    groups, the conversion's perplexity and the budget table's means and most skewed head."""
+def test_fidelity_pieces_by_hand():
+    """What fidelity.py's smoke tests cannot see, against values written out here: the distillation loss of
+    each map, the held-out sentences, the windows (pretrained.windows) and the conversion's perplexity."""
     assert {name: fidelity.LOSS.get(name, "xent") for name in ("hedgehog", "t2r", "quadratic", "oal", "lolcats")} == {
         "hedgehog": "xent", "t2r": "xent", "quadratic": "mse", "oal": "mse", "lolcats": "mse"}  # as convert.METHODS
     text = ("Four words are short. Eight words make a long enough sentence here. lower case starts are not "
@@ -190,10 +189,6 @@ def test_the_studies_helpers_by_hand():
     assert (x[:, 0] == 101).all() and (x[:, -1] == 102).all() and (x[:, 2:-1] - x[:, 1:-2] == 1).all()
     assert sorted(set(x[:, 1].tolist())) == list(range(16))  # every start below 20 - 4 (the docstring says why)
 
-    groups = torch.tensor([[0] * 20 + [1] * 10 + [2] * 2, [0] * 31 + [1]])  # (H, D) = (2, 32)
-    shuffled = oal_budget.random_like(groups, torch.Generator().manual_seed(0))
-    assert [g.bincount().tolist() for g in shuffled] == [[20, 10, 2], [31, 1]] and not torch.equal(shuffled, groups)
-
     model = tiny_gpt()
     test_ids = torch.randint(0, 50, (3, 13), generator=torch.Generator().manual_seed(0))
     students = {"same": {i: model.blocks[i].attn for i in (0, 1)}}
@@ -201,6 +196,14 @@ def test_the_studies_helpers_by_hand():
     by_hand = math.exp(model(test_ids[:, :-1], test_ids[:, 1:])[1].item())
     assert out["original"]["ppl"] == pytest.approx(by_hand) and out["same"]["ppl"] == pytest.approx(by_hand)
 
+
+def test_oal_budget_pieces_by_hand():
+    """Random groups keep each group's size; the budget table's means are over all heads (and layers, after
+    the output projection), its most skewed head is the one with the largest top-10% share, and it counts
+    the heads below one group, head against head."""
+    groups = torch.tensor([[0] * 20 + [1] * 10 + [2] * 2, [0] * 31 + [1]])  # (H, D) = (2, 32)
+    shuffled = oal_budget.random_like(groups, torch.Generator().manual_seed(0))
+    assert [g.bincount().tolist() for g in shuffled] == [[20, 10, 2], [31, 1]] and not torch.equal(shuffled, groups)
     row = lambda layer, kind, G, heads, out, share: dict(layer=layer, kind=kind, G=G, rel_mse_heads=heads,
                                                           rel_mse_out=out, top_share=share)
     rows = [row(0, "contribution", 1, [4.0, 2.0], 1.0, [0.3, 0.5]), row(1, "contribution", 1, [6.0, 8.0], 3.0, [0.2, 0.1]),
