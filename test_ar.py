@@ -56,6 +56,64 @@ def test_h3_data_is_the_published_format():
                 assert lab[:-1] == [-100] * 17
 
 
+def test_h3_examples_are_unique_and_refused_when_too_few_exist():
+    """One pair of two keys and two values makes 4 distinct sequences (key, its value, => key value): all 4
+    come out, each once, and asking for a 5th is a one-line error, not a repeat."""
+    x, _ = ar.make_h3_data(4, seq_len=2, vocab_size=6, seed=0)
+    assert sorted(map(tuple, x.tolist())) == [(k, v, 4, k) for k in (0, 1) for v in (2, 3)]
+    with pytest.raises(SystemExit, match="only 4 distinct h3 sequences"):
+        ar.make_h3_data(5, seq_len=2, vocab_size=6, seed=0)
+
+
+def test_h3_query_is_uniform_over_the_keys_in_context():
+    """A query key drawn absent is redrawn uniformly from the keys present (generate_assoc_recall): with two
+    distinct keys in context it is the smaller one about half the time, not nearly always (the first present)."""
+    x, _ = ar.make_h3_data(4000, seq_len=4, vocab_size=40, seed=6)
+    two = x[:, 0] != x[:, 2]  # (N,): two distinct keys in context
+    smaller = (x[two, -1] == torch.minimum(x[two, 0], x[two, 2])).double().mean().item()
+    assert two.sum() > 3000 and 0.45 < smaller < 0.55
+
+
+@pytest.mark.parametrize("format", ["pairs", "h3"])
+def test_test_sequences_are_not_training_sequences(format):
+    """make_data draws the test set apart from the training set: no test sequence has the keys of a training
+    one, in order (at these sizes a repeat by chance is all but impossible, so one means the same draw)."""
+    cfg = dict(format=format, seq_len=16, vocab_size=40, num_train=1000, num_test=200)
+    x_train, _, x_test, _ = ar.make_data(cfg)
+    assert x_train.shape == (1000, x_test.shape[1]) and len(x_test) == 200
+    keys = lambda x: {tuple(r) for r in x[:, 0:14:2].tolist()}  # the first 7 pairs' keys
+    assert not keys(x_test) & keys(x_train)
+
+
+def test_evaluate_and_lookup_stats_leave_the_model_training():
+    """Both measure in eval mode (no dropout) and hand the model back in training mode, as training
+    continues after them: left in eval mode, dropout would be off for the rest of the run."""
+    torch.manual_seed(0)
+    model = ar.ARModel("softmax", vocab_size=40, seq_len=15, d_model=16, dropout=0.5)
+    x, y = ar.make_ar_data(8, seq_len=16)
+    seen = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    for measure in (lambda: ar.evaluate(model, x, y), lambda: ar.lookup_stats(model, x)):
+        model.train()
+        measure()
+        assert seen[-1] is False and model.training and all(m.training for m in model.modules())
+    hook.remove()
+
+
+def test_evaluate_is_accuracy_and_mean_loss_over_the_labelled_positions():
+    """evaluate against a plain cross-entropy on h3 training labels, where every position but none is
+    labelled (so a mean per sequence instead of per label, or over one batch, would differ)."""
+    torch.manual_seed(0)
+    model = ar.ARModel("softmax", vocab_size=12, seq_len=10, d_model=16)
+    x, y = ar.make_h3_data(7, seq_len=8, vocab_size=12, seed=0)
+    y[0, :4] = -100  # labels of unequal count per sequence
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+    labelled = y != -100
+    acc = (logits.argmax(-1)[labelled] == y[labelled]).double().mean().item()
+    assert ar.evaluate(model, x, y, batch=3) == pytest.approx((acc, loss), rel=1e-5)
+
+
 def test_answer_positions_and_the_retrieval_head():
     """answer_positions against a scan; lookup_stats on a stub whose layer 1, head 0 puts all its weight
     on the answers: that head has target mass 1 and entropy log(#answers); a uniform head 1/T of it each.
@@ -119,6 +177,9 @@ def test_ar_gives_every_map_the_feature_size_asked(target):
             assert model.blocks[0].attn.fmap(q, q)[0].shape[-1] == F_
     assert train_ar.state_size("elu", 64, 64, 1, 64, 127) == 64 * 64 + 64
     assert train_ar.state_size("softmax", 64, 64, 2, 64, 127) == 2 * 127 * (64 + 32)
+    assert train_ar.state_size("swa", 32, 32, 1, 64, 127, window=40) == 40 * (32 + 64)
+    assert train_ar.state_size("swa", 32, 32, 1, 64, 20, window=40) == 20 * (32 + 64)  # a window past the sequence
+    assert train_ar.qk_dim_for("hedgehog", {}, target + 1) == target // 2 + 1  # F = 2D: a tie goes to the larger D
 
 
 def test_ar_holds_the_window_attentions_to_the_same_state():
@@ -271,6 +332,10 @@ def test_train_ar_saves_models_that_load_back(tmp_path, torch_path):
     assert mass.tolist() == record["target_mass_per_head"] and prev.tolist() == record["prev_mass_per_head"]
     assert ent.tolist() == record["entropy_per_head"]
     assert ar.evaluate(model, data[2], data[3])[0] == record["test_acc"]
+    _, weights = model(data[2][:1], return_weights=True)  # Fig. 2's row: the retrieval head on the first test sequence
+    row = weights[record["retrieval_layer"]][0, record["retrieval_head"], -1]
+    assert record["query_row"] == pytest.approx(row.tolist(), abs=1e-6)
+    assert record["answer_positions"] == ar.answer_positions(data[2][:1])[0].nonzero()[:, 0].tolist()
     torch.save({"kind": "train_gpt"}, tmp_path / "gpt.pt")
     with pytest.raises(SystemExit, match="is not a train_ar.py checkpoint"):
         ar.load_model(tmp_path / "gpt.pt")
@@ -309,21 +374,29 @@ def test_train_ar_resume_carries_a_run_on_exactly(tmp_path, dev, torch_path):
         train_ar.saved_run(str(path), dict(cut, init_from="resume"))
 
 
-def test_train_ar_early_stopping_watches_the_test_loss():
+def test_train_ar_early_stopping_watches_the_test_loss(capsys, monkeypatch):
     """patience counts the epochs after the warm-up without a lower test loss (Hedgehog App. B.1), and that
     loss is the answer's cross-entropy. With lr 0 nothing changes, so patience 2 ends the run after epoch 3
-    (after epoch 5 with a warm-up of half the steps), and the loss is that of the untrained model, built again here."""
+    (after epoch 5 with a warm-up of half the steps), and the loss is that of the untrained model, built again
+    here, as is the training loss printed each epoch (the mean over every labelled position). The epochs watch
+    the first 500 test sequences, the record's accuracy is over all of them."""
     data = (*ar.make_h3_data(64, seq_len=16, vocab_size=12, seed=1),
-            *ar.make_h3_data(16, seq_len=16, vocab_size=12, seed=2, train=False))
+            *ar.make_h3_data(600, seq_len=16, vocab_size=12, seed=2, train=False))
     cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
+    calls = []
+    monkeypatch.setattr(train_ar, "evaluate", lambda model, x, y: calls.append((len(x), ar.evaluate(model, x, y))) or calls[-1][1])
     record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
     assert record["epochs"] == 3 and len(record["test_loss_per_epoch"]) == 3
+    assert [n for n, _ in calls] == [500] * 4 + [600] and record["test_acc"] == calls[-1][1][0]
     torch.manual_seed(0)
     model = ar.ARModel("softmax", 12, 18, qk_dim=16).eval()
-    x_test, y_test = data[2], data[3]
+    x_train, y_train, x_test, y_test = data
     with torch.no_grad():
-        loss = F.cross_entropy(model(x_test)[:, -1], y_test[:, -1]).item()
+        loss = F.cross_entropy(model(x_test[:500])[:, -1], y_test[:500, -1]).item()
+        train_loss = F.cross_entropy(model(x_train).flatten(0, 1), y_train.flatten()).item()
     assert record["test_loss_per_epoch"] == pytest.approx([loss] * 3, rel=1e-6)
+    printed = re.findall(r"train loss ([\d.]+)", capsys.readouterr().out)
+    assert printed == [f"{train_loss:.3f}"] * 3
     # the warm-up's epochs do not count (2 steps an epoch, 6 of 12 warm: epochs 2 and 3 end within it), and
     # target_acc is reached when the accuracy equals it
     assert train_ar.train_one("softmax", 16, 0, data, dict(cfg, warmup=0.5), "cpu")["epochs"] == 5
@@ -343,15 +416,17 @@ def test_train_ar_learning_rate_warms_up_then_decays():
     assert [train_ar.lr_factor(s, 4, 12) for s in (0, 1, 3, 4, 8, 11)] == [0.25, 0.5, 1.0, 1.0, 0.5, 0.125]
 
 
-@pytest.mark.parametrize("rule,epochs", [("loss", 6), ("accuracy", 3)])
-def test_train_ar_early_stopping_tells_the_rules_apart(rule, epochs, monkeypatch):
+@pytest.mark.parametrize("rule,rising,epochs", [("loss", False, 6), ("accuracy", False, 3), ("loss", True, 3),
+                                                ("accuracy", True, 6)])
+def test_train_ar_early_stopping_tells_the_rules_apart(rule, rising, epochs, monkeypatch):
     """An evaluation whose loss falls every time while its accuracy stays put: the loss rule never runs
-    out of patience (all 6 epochs), the accuracy rule stops after epoch 1 + patience 2."""
+    out of patience (all 6 epochs), the accuracy rule stops after epoch 1 + patience 2. One whose accuracy
+    rises while its loss stays put: the other way round."""
     calls = []
 
     def scripted(model, inputs, labels, batch=500):
         calls.append(None)
-        return 0.5, 1.0 / len(calls)
+        return (1 - 1.0 / len(calls), 1.0) if rising else (0.5, 1.0 / len(calls))
 
     monkeypatch.setattr(train_ar, "evaluate", scripted)
     data = (*ar.make_ar_data(32, seq_len=9, seed=1), *ar.make_ar_data(8, seq_len=9, seed=2))

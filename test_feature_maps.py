@@ -141,9 +141,10 @@ def test_oal_one_group_is_global_quadratic():
     assert torch.allclose(kernel_matrix(oal, q, k), expected, atol=1e-10)
 
 
-def test_oal_split_keeps_the_kernel():
+def test_oal_split_keeps_the_kernel(monkeypatch):
     """Splitting a trained one-group head, as train_ar.regroup_oal does after the first epoch, changes
-    nothing at once: the model's outputs before and after are the same."""
+    nothing at once: the model's outputs before and after are the same. Each layer is grouped on the q, k
+    of its own input, the output of the layers before it."""
     torch.manual_seed(0)
     model = ar.ARModel("oal", n_layer=2, d_model=16, qk_dim=8).double()
     with torch.no_grad():
@@ -151,7 +152,13 @@ def test_oal_split_keeps_the_kernel():
             block.attn.fmap.L.add_(0.3 * torch.randn_like(block.attn.fmap.L))
     x, _ = ar.make_ar_data(8, seed=0)
     before = model(x)
+    with torch.no_grad():
+        h1 = model.blocks[0](model.embed(x))
+        q_by_hand = [model.blocks[i].attn.heads(model.blocks[i].ln1(h))[0] for i, h in enumerate((model.embed(x), h1))]
+    seen, set_groups_from = [], fm.OAL.set_groups_from
+    monkeypatch.setattr(fm.OAL, "set_groups_from", lambda self, q, k: seen.append(q) or set_groups_from(self, q, k))
     train_ar.regroup_oal(model, x)
+    assert len(seen) == 2 and all(torch.allclose(q, q0) for q, q0 in zip(seen, q_by_hand))
     assert any((block.attn.fmap.groups > 0).any() for block in model.blocks)
     assert torch.allclose(model(x), before, atol=1e-10)
 
