@@ -293,6 +293,7 @@ def test_performer_rows_are_orthogonal_blocks_with_chi_norms():
         unit = blk / blk.norm(dim=-1, keepdim=True)
         assert torch.allclose(unit @ unit.T, torch.eye(16), atol=1e-5)
     assert not torch.allclose(W.norm(dim=-1), W.norm(dim=-1)[0])  # rescaled, not unit rows
+    assert [fm.make_feature_map("performer", D).m for D in (8, 64)] == [17, 266]  # round(D ln D), the Performer paper's
 
 
 def test_cosformer_reweights_by_cos_distance():
@@ -303,6 +304,10 @@ def test_cosformer_reweights_by_cos_distance():
         expected = F.relu(q) @ F.relu(k).transpose(-1, -2) * torch.cos(math.pi * (i[:, None] - i[None, :]) / (2 * M))
         got = kernel_matrix(fm.make_feature_map("cosformer", 8, max_len=max_len), q, k)
         assert torch.allclose(got, expected, atol=1e-12)
+    fmap = fm.make_feature_map("cosformer", 8, max_len=5)  # decoding: positions 0..4, the last at offset 4
+    fmap(q[:, :, :1], k[:, :, :1], offset=4)
+    with pytest.raises(ValueError, match="position 5 is past max_len=5"):
+        fmap(q[:, :, :1], k[:, :, :1], offset=5)
 
 
 def test_taylorshift_kernel():
@@ -323,6 +328,8 @@ def test_dijiang_dct_and_form():
     assert torch.allclose(fmap.P, C * quantiles, atol=1e-6)
     q, k, _ = qkv()
     assert torch.allclose(fmap(q, k)[1], fmap.log_w.exp() * (k @ fmap.P).softmax(-1), atol=1e-12)
+    fresh = fm.make_feature_map("dijiang", D, 2).double()  # w starts at 1: each feature vector sums to 1
+    assert torch.allclose(fresh(q, k)[1].sum(-1), torch.ones(()).double(), atol=1e-12)
 
 
 def test_t2r_form():
@@ -385,6 +392,8 @@ def test_top_share_hand_worked():
     c = torch.tensor([[1.0] * 9 + [11.0], [2.0] * 10], dtype=torch.float64)
     assert oal_groups.top_share(c).tolist() == pytest.approx([0.55, 0.1])
     assert oal_groups.top_share(c, frac=0.2).tolist() == pytest.approx([0.6, 0.2])
+    # D = 16: 10% is 1.6 dimensions, rounded to 2: (1 + 3) / (15 + 3)
+    assert oal_groups.top_share(torch.tensor([[1.0] * 15 + [3.0]])).tolist() == pytest.approx([4 / 18])
 
 
 def constant_rows(c, N=8):
@@ -409,6 +418,16 @@ def test_find_groups_hand_worked():
     # the budget study's rule: the G - 1 best-ranked boundaries whatever their ratio: t = 14 (1.17), then t = 12 (1.1)
     assert oal_groups.find_groups(constant_rows([1.0] * 13 + [1.1, 1.2, 1.4]), budget=3).tolist() == [0] * 13 + [1, 1, 2]
     assert oal_groups.find_groups(constant_rows([1.0] * 16), budget=1).eq(0).all()
+
+
+def test_find_groups_thresholds_include_their_values(monkeypatch):
+    """The published rule keeps a boundary whose ratio is 1.5 or more and whose support is 90% or more (the
+    equal values included), at most 4 of them, in rank order; a dimension's group counts the kept ones below it."""
+    ranked = [([7], 1.5, 0.9), ([6, 7], 1.49, 1.0), ([5, 6, 7], 3.0, 0.89), ([4, 5, 6, 7], 2.0, 1.0)]
+    monkeypatch.setattr(oal_groups, "rank_cuts", lambda scores, min_ratio, seed: ranked)
+    assert oal_groups.find_groups(torch.ones(4, 8)).tolist() == [0] * 4 + [1, 1, 1, 2]
+    ranked[:0] = [([3, 4, 5, 6, 7], 2.0, 1.0)] * 4  # four more that pass first: the cap of 4 leaves out the rest
+    assert oal_groups.find_groups(torch.ones(4, 8)).tolist() == [0] * 3 + [4] * 5
 
 
 def test_find_groups_support_comes_first():

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from test_all import NAMES, make_map, qkv  # first: sets TRITON_INTERPRET before triton is imported
-from attention import (hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step, hybrid_weights,
-                       sliding_window_attention)
+from attention import (MultiHeadAttention, hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step,
+                       hybrid_weights, sliding_window_attention)
 
 
 def hybrid_loop_reference(q, k, qf, kf, v, window, gate, causal=True):
@@ -138,3 +138,14 @@ def test_the_window_max_sets_the_balance_of_the_two_parts():
         s = (q[0, 0, -1] * k2[0, 0, T - 1]).sum() / 2.0  # the window's (equal) score, sqrt(D) = 2
         shares.append((g * w * s.exp() / (g * w * s.exp() + linear)).item())  # one normaliser over both
     assert shares[1] > shares[0] + 0.1
+
+
+def test_lolcats_layer_starts_at_its_gate_with_lolcats_maps():
+    """A lolcats layer's gate g = sigmoid(w_h) starts at the value asked (0.1, LoLCATs' configs, by default),
+    one per head; its Hedgehog maps are LoLCATs' (a softmax per half, keys with their own weights) unless
+    options say otherwise."""
+    layer = MultiHeadAttention(16, 2, "lolcats")
+    assert torch.allclose(layer.g(), torch.tensor([0.1, 0.1]), atol=1e-7) and layer.g().shape == (2,)
+    assert layer.fmap.mode == "softmax_halves" and layer.fmap.Wk is not None
+    layer.use("lolcats", gate=0.7, mode="softmax")
+    assert torch.allclose(layer.g(), torch.tensor([0.7, 0.7]), atol=1e-7) and layer.fmap.mode == "softmax"

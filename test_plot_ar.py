@@ -7,8 +7,10 @@ import json
 
 from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
 
+import pytest
 import torch
 
+import configurator
 import plot_ar
 
 
@@ -20,6 +22,38 @@ def test_plot_ar_panels_by_the_feature_size_asked():
     merged = runs((0, 256), (128, 128), (0, 128), (256, 256))
     groups = plot_ar.by_size(merged)
     assert list(groups) == [128, 256] and groups[128] == [merged[1], merged[2]] and groups[256] == [merged[0], merged[3]]
+
+
+def test_plot_ar_summary_row_by_hand():
+    """A row of the table: the mean ± std over seeds; steps to 50% as the mean over the seeds that got there,
+    with how many did ("never" if none); the retrieval heads seen, as layer.head; the range of epochs."""
+    run = lambda seed, acc, steps, layer, epochs: {
+        "attention": "elu", "features": 64, "qk_dim": 64, "state_size": 4160, "seed": seed, "test_acc": acc,
+        "retrieval_entropy": 2.0 + seed, "target_mass": 0.5, "retrieval_layer": layer, "retrieval_head": 0,
+        "steps_to_50": steps, "epochs": epochs, "seconds": 10.0 * epochs}
+    table = plot_ar.summarize([run(0, 0.9, 100, 1, 3), run(1, 0.6, None, 0, 5), run(2, 0.3, 300, 1, 5),
+                               dict(run(0, 0.05, None, 1, 2), attention="relu")])
+    acc, entropy, seconds = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([2.0, 3.0, 4.0]), torch.tensor([30.0, 50, 50])
+    assert table.splitlines()[1].split() == ["elu", "64", "64", "4160", "3", f"{acc.mean():.3f}", "±", f"{acc.std():.3f}",
+                                             f"{entropy.mean():.2f}", "±", f"{entropy.std():.2f}", "0.50", "±", "0.00",
+                                             "0.0,1.0", "200", "(2/3)", "3-5", f"{seconds.mean():.0f}", "±",
+                                             f"{seconds.std():.0f}"]
+    assert table.splitlines()[2].split()[-5:] == ["1.0", "never", "(0/1)", "2", "20"]
+
+
+def test_plot_ar_capacity_and_curves_data(tmp_path):
+    """The capacity figure plots each attention's mean accuracy against the state size (not F), and the
+    curves of runs that stopped early keep their last value to the longest run's length."""
+    assert plot_ar.padded([[0.25, 0.5, 0.75], [0.125]]).tolist() == [[0.25, 0.5, 0.75], [0.125] * 3]
+    plt = configurator.pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed")
+    runs = [{"attention": "elu", "features": F_, "state_size": size, "test_acc": acc}
+            for F_, size, acc in ((16, 1040, 0.9), (8, 520, 0.5), (8, 520, 0.7))]
+    plot_ar.plot_capacity(plt, runs, str(tmp_path))
+    line = plt.gcf().axes[0].lines[0]
+    assert list(line.get_xdata()) == [520, 1040] and list(line.get_ydata()) == pytest.approx([0.6, 0.9])
+    plt.close("all")
 
 
 def test_plot_ar_compares_runs_at_equal_budgets():

@@ -7,6 +7,7 @@ import json
 
 from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
 
+import numpy
 import pytest
 import torch
 
@@ -28,7 +29,8 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     data = ar.make_data(cfg)  # probe_ar.py makes the test set again from the saved config
     train_ar.train_one("elu", 16, 0, data, cfg, "cpu")
     path = str(tmp_path / "model_elu_F16_seed0.pt")
-    run_script("probe_ar.py", f"--model={path}", "--num=120")  # as a user runs it: the results go beside the model
+    out = run_script("probe_ar.py", f"--model={path}", "--num=120")  # as a user runs it: the results go beside the model
+    assert "(chance 0.111)" in out  # 9 keys: h3's vocabulary of 20 counts its two special tokens
     result = json.load(open(tmp_path / "probe_model_elu_F16_seed0.json"))
     model, _ = ar.load_model(path)
     x, y = data[2], data[3]
@@ -38,6 +40,7 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     for d in (0, 1, 5):
         expected = sum(w0[:, i, i - d].mean().item() for i in rows) / len(rows)
         assert result["layer0"][d][0] == pytest.approx(expected, rel=1e-5)
+    assert result["uniform"] == pytest.approx(sum(1 / (i + 1) for i in rows) / len(rows), rel=1e-6)
     by_pair = result["layer0_own_key_by_pair"]  # every pair's value, the second half's among them
     assert len(by_pair) == 16
     assert sum(by_pair[p][0] for p in range(8, 16)) / 8 == pytest.approx(result["layer0"][1][0], rel=1e-5)
@@ -50,6 +53,11 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
     assert result["layer1_first_answer"][0] == pytest.approx(expected, rel=1e-5)
     assert (result["layer1_first_answer"][0] + result["layer1_later_answers"][0]
             == pytest.approx(result["layer1_answer"][2][0], rel=1e-5))
+    T = x.shape[1]
+    answers = [[a for a in range(1, T - 1) if x[n, a - 1] == x[n, -1]] for n in range(120)]  # the query itself is none
+    for d in (-2, 1, 4):  # the query row at the answers + d, the query's own weight never among them
+        expected = sum(w1[n, a + d].item() for n in range(120) for a in answers[n] if 0 <= a + d < T - 1) / 120
+        assert result["layer1_answer"][probe_ar.AROUND.index(d)][0] == pytest.approx(expected, rel=1e-5, abs=1e-7), d
     on_keys = sum(w0[:, i, 0:i + 1:2].sum(-1).mean().item() for i in rows) / len(rows)
     assert result["layer0_on_keys"][0] == pytest.approx(on_keys, rel=1e-5)
     W = (torch.rand(2, 1, 6, 6) + 0.1).tril()
@@ -85,6 +93,13 @@ def test_probe_ar_measures_what_it_says(tmp_path, torch_path):
         assert sum(n for b, (n, _) in row.items() if b != "all") == row["all"][0] == 120
         assert row["0-1"][0] == sum(p < 2 for p in first) and row["8-15"][0] == sum(p >= 8 for p in first)
     planted = probe_ar.probe(model, x, 16, 9)  # layer 0 still the previous-token copy at the values it reads
+    with torch.no_grad():  # the probe by hand (numpy's least squares): fitted on the first 60 sequences, scored on the rest
+        h = block1.ln1(block0(model.embed(x)))[:, 17:32:2].flatten(0, 1).double().numpy()  # the second half's values
+        h = numpy.concatenate([h, numpy.ones((len(h), 1))], 1)
+    for d in (1, 3):
+        keys = x[:, 17 - d:32 - d:2].flatten().numpy()
+        fit = numpy.linalg.lstsq(h[:480], numpy.eye(9)[keys[:480]], rcond=None)[0]
+        assert planted[d] == pytest.approx(((h[480:] @ fit).argmax(1) == keys[480:]).mean(), abs=1e-9), d
     assert planted[1] > 0.95 and planted[3] < 0.5 and planted[5] < 0.5, planted
     with torch.no_grad():  # the probe reads layer 1's input after its layer norm: with that zeroed, nothing
         block1.ln1.weight.zero_()
