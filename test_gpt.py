@@ -10,6 +10,32 @@ import pytest
 import torch
 
 import gpt
+from attention import Block
+
+
+def test_block_by_hand():
+    """The pre-norm block: x + attn(ln1(x)), then + W2 gelu(W1 ln2(.) + b1) + b2 with mlp_ratio * C hidden
+    units; without an MLP (mlp_ratio = 0) the attention alone. step() gives the same, token by token."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for ratio in (3, 0):
+        block = Block(16, 2, "elu", mlp_ratio=ratio)
+        with torch.no_grad():  # the two layer norms apart from their start, where they are the same function
+            for p in block.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        h = x + block.attn(torch.nn.functional.layer_norm(x, (16,), block.ln1.weight, block.ln1.bias))
+        if ratio:
+            lin1, lin2 = block.mlp[0], block.mlp[2]
+            assert lin1.weight.shape == (48, 16)
+            u = torch.nn.functional.layer_norm(h, (16,), block.ln2.weight, block.ln2.bias)
+            h = h + torch.nn.functional.gelu(u @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
+        assert torch.allclose(block(x), h, atol=1e-6)
+        cache, steps = None, []
+        for t in range(5):
+            y, cache = block.step(x[:, t], cache)
+            steps.append(y)
+        assert torch.allclose(torch.stack(steps, 1), h, atol=1e-5)
+
 
 @pytest.mark.parametrize("name", ["softmax"] + NAMES)
 def test_every_attention_trains_and_decodes_in_the_gpt(name, torch_path):
