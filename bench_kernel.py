@@ -261,7 +261,7 @@ def device_report(cfg):
         worst = check(dev, [(16, 8)], [(8, 6, 8)])
     check_s = time.time() - t0  # on a GPU mostly Triton compiling each shape's kernels
     print(f"check: {check_s:.0f} s")
-    fla = fla_linear_attention() if dev == "cuda" else None
+    fla = fla_linear_attention()  # its Triton kernels want CUDA: on a CPU it is timed as an error, if installed
     if dev == "cuda" and fla is None:
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
     ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
