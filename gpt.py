@@ -92,7 +92,8 @@ def prepare(name, tokenizer="cl100k_base", block_size=1):
 
 
 def get_batch(ids, block_size, batch_size, gen, dev):
-    """batch_size random windows of ids: inputs x and next-token targets y, both (batch_size, block_size)."""
+    """batch_size random windows of ids: inputs x and next-token targets y, both (batch_size, block_size).
+    Starts are drawn below len(ids) - block_size - 1, so the last token is never a target."""
     starts = torch.randint(len(ids) - block_size - 1, (batch_size,), generator=gen).tolist()
     x = torch.stack([ids[s:s + block_size] for s in starts])
     y = torch.stack([ids[s + 1:s + 1 + block_size] for s in starts])

@@ -106,3 +106,13 @@ def test_gpt_data_split_init_and_evaluation_as_documented(tmp_path, monkeypatch)
     by_hand = [model(*gpt.get_batch(train, 64, 3, gen, "cpu"))[1].item() for _ in range(4)]
     assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)
     assert gpt.evaluate(model, train, 3, 4, "cpu") == pytest.approx(sum(by_hand) / 4, rel=1e-6)  # the same batches
+
+
+def test_get_batch_windows_and_their_targets():
+    """Targets are the inputs one token on; starts are uniform over 0 .. len - block_size - 2 (the docstring:
+    the last token is never a target)."""
+    ids = torch.arange(100, 110)
+    x, y = gpt.get_batch(ids, 4, 2000, torch.Generator().manual_seed(0), "cpu")
+    assert x.shape == y.shape == (2000, 4) and torch.equal(y, x + 1) and torch.equal(x - x[:, :1], torch.arange(4).expand(2000, 4))
+    counts = torch.bincount(x[:, 0] - 100)
+    assert len(counts) == 5 and counts.min() > 300  # starts 0..4, each about 400 times
