@@ -218,11 +218,19 @@ def test_exp_normalize_makes_t_a_temperature():
 
 def test_config_files(tmp_path):
     """A config file of literal assignments applies like flags (flags after it win); anything else is refused;
-    config/ar_h3.py is valid for train_ar."""
+    config/ar_h3.py is valid for train_ar. Boolean flags and layer lists parse as configurator says, or are refused."""
     path = tmp_path / "c.py"
     path.write_text('"""doc"""\nepochs = 7\nlr = 1  # an int where a float is expected is fine\nformat = "h3"\n')
     cfg = configurator.configure(dict(train_ar.config), [str(path), "--epochs=2"])
     assert (cfg["epochs"], cfg["lr"], cfg["format"]) == (2, 1.0, "h3")
+    for flag, value in (("1", True), ("0", False), ("TRUE", True), ("false", False)):  # true, false, 1, 0; any case
+        assert configurator.configure(dict(train_ar.config), [f"--plots={flag}"])["plots"] is value
+    with pytest.raises(SystemExit, match="expects a boolean"):
+        configurator.configure(dict(train_ar.config), ["--plots=yes"])
+    assert [configurator.layer_list({"layers": x}, 3) for x in ("all", "2,0")] == [[0, 1, 2], [2, 0]]
+    for bad in ("3", "-1", "1,1", "a"):  # layer indices of a 3-layer model: 0..2, each once
+        with pytest.raises(SystemExit, match="error: --layers"):
+            configurator.layer_list({"layers": bad}, 3)
     for bad in ("epochs = 2 + 1\n", "import os\n", "nope = 1\n", "epochs = 'x'\n"):
         path.write_text(bad)
         with pytest.raises(SystemExit, match="error"):

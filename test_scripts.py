@@ -304,6 +304,31 @@ def test_decode_benchmark_smoke(tmp_path):
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
 
 
+def test_decode_summary_and_timing_by_hand(tmp_path, monkeypatch):
+    """decode.py's numbers from scripted clocks: a step's time is the median of the timed steps after two
+    warm-up ones; the summary's growth is the last context's time over the first's, and the crossover the
+    first context at which an attention is strictly faster than softmax. The KV cache check counts K and V
+    in float32 and a copy of them: 2 x 2 H T D x 4 bytes."""
+    import decode
+    cfg = dict(decode.config, heads=2, head_dim=8, tokens=3)
+    clock, real = iter([0, 10, 0, 10, 0, 1, 0, 5, 0, 3]), decode.time.perf_counter  # steps of 10, 10 (warm-up), 1, 5, 3
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: next(clock))
+    assert decode.time_layer("hedgehog", 16, cfg, "cpu")[0] == 3
+    monkeypatch.setattr(decode.time, "perf_counter", real)
+    ms = {"softmax": (1.0, 2.0, 4.0, 8.0), "hedgehog": (3.0, 2.0, 3.0, 3.0)}  # level at 256, faster from 1024
+    contexts = (64, 256, 1024, 4096)
+    monkeypatch.setattr(decode, "time_layer", lambda name, T, cfg, dev: (ms[name][contexts.index(T)] / 1e3, 100))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its threads
+    monkeypatch.chdir(tmp_path)  # no out/<attention>/ckpt.pt here: part 2 is skipped
+    cfg.update(attentions="softmax,hedgehog", contexts="64,256,1024,4096", out=str(tmp_path / "d.json"))
+    decode.main(cfg)
+    assert json.load(open(tmp_path / "d.json"))["summary"] == {
+        "softmax": {"growth": 8.0, "state_growth": 1.0}, "hedgehog": {"growth": 1.0, "state_growth": 1.0, "crossover": 1024}}
+    monkeypatch.setattr(decode, "memory_bytes", lambda dev: 2 ** 30)
+    with pytest.raises(SystemExit, match=r"at 4194305 tokens needs 1.0 GiB, more than the 1.0 GiB"):
+        decode.main(dict(cfg, contexts=str(2 ** 22 + 1)))  # 16 H D = 256 bytes a token: one over 1 GiB
+
+
 # ----------------------------------------------------------------------------------------------
 # when something goes wrong: one line, exit status 1, nothing good overwritten
 
