@@ -76,8 +76,8 @@ def test_generate_samples_at_its_temperature_up_to_block_size_plus_one():
 
 
 def test_gpt_data_split_init_and_evaluation_as_documented(tmp_path, monkeypatch):
-    """gpt.py's documented choices, by hand: prepare() keeps the last 10% of the tokens for validation and
-    remaps ids to the sorted ids that occur; GPT() starts as GPT-2 (weights N(0, 0.02), zero biases, a tied
+    """gpt.py's documented choices, by hand: prepare() keeps the last 10% of the tokens for validation,
+    remaps ids to the sorted ids that occur and refuses a part of block_size + 1 tokens or fewer; GPT() starts as GPT-2 (weights N(0, 0.02), zero biases, a tied
     head); evaluate() is the mean loss over `iters` batches drawn from a generator seeded 1234."""
     class Chars:  # a tokenizer whose ids are the characters' code points
         name = "chars"
@@ -92,6 +92,9 @@ def test_gpt_data_split_init_and_evaluation_as_documented(tmp_path, monkeypatch)
     assert (len(train), len(val)) == (900, 100)
     assert vocab.tolist() == sorted(set(map(ord, text)))
     assert "".join(chr(i) for i in vocab[torch.cat([train, val])].tolist()) == text
+    assert len(gpt.prepare(str(tmp_path / "t.txt"), "chars", 98)[1]) == 100  # each part holds more than block_size + 1
+    with pytest.raises(SystemExit, match="1000 tokens leave 100 for validation, but a window of block_size=99 needs"):
+        gpt.prepare(str(tmp_path / "t.txt"), "chars", 99)
 
     torch.manual_seed(0)
     model = gpt.GPT(vocab_size=500, block_size=64, n_layer=2, n_head=4, d_model=128, bias=True)

@@ -419,6 +419,11 @@ def test_kernel_rejects_bad_input():
     for eps in (-1e-6, float("nan")):
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             kernel.causal_linear_attention(q, k, v, eps=eps)
+    qf, kf = q.exp(), k.exp()  # eps = 0 is allowed: the exact normalisation, for maps with no row of zeros
+    exact = kernel.causal_linear_attention(qf, kf, v, eps=0.0, backend="torch")
+    assert torch.allclose(exact, linear_attention_quadratic(qf, kf, v, eps=0.0), rtol=1e-10, atol=1e-12)
     qs, ks, lam, c, base = make_map("taylor").squares(q, k)
-    with pytest.raises(ValueError, match="squares"):
-        kernel.causal_linear_attention(q, k, v, squares=(qs, ks, lam[:1], c, base))
+    for bad in ((qs, ks, lam[:1], c, base), (qs, ks, lam, c[:, :1], base), (qs, ks, lam, c, base[:1]),
+                (qs, ks[:, :1], lam, c, base)):
+        with pytest.raises(ValueError, match="squares: expected q, k"):
+            kernel.causal_linear_attention(q, k, v, squares=bad)
