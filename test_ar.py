@@ -75,7 +75,7 @@ def test_h3_query_is_uniform_over_the_keys_in_context():
 
 
 @pytest.mark.parametrize("format", ["pairs", "h3"])
-def test_test_sequences_are_not_training_sequences(format):
+def test_ar_test_set_is_drawn_apart_from_the_training_set(format):
     """make_data draws the test set apart from the training set: no test sequence has the keys of a training
     one, in order (at these sizes a repeat by chance is all but impossible, so one means the same draw)."""
     cfg = dict(format=format, seq_len=16, vocab_size=40, num_train=1000, num_test=200)
@@ -101,8 +101,8 @@ def test_evaluate_and_lookup_stats_leave_the_model_training():
 
 
 def test_evaluate_is_accuracy_and_mean_loss_over_the_labelled_positions():
-    """evaluate against a plain cross-entropy on h3 training labels, where every position but none is
-    labelled (so a mean per sequence instead of per label, or over one batch, would differ)."""
+    """evaluate against a plain cross-entropy on h3 training labels, every position labelled but the first
+    four of one sequence: a mean per sequence instead of per label, or over one batch of 3, would differ."""
     torch.manual_seed(0)
     model = ar.ARModel("softmax", vocab_size=12, seq_len=10, d_model=16)
     x, y = ar.make_h3_data(7, seq_len=8, vocab_size=12, seed=0)
@@ -392,7 +392,11 @@ def test_train_ar_early_stopping_watches_the_test_loss(capsys, monkeypatch):
             *ar.make_h3_data(600, seq_len=16, vocab_size=12, seed=2, train=False))
     cfg = dict(train_ar.config, format="h3", vocab_size=12, epochs=6, batch_size=32, target_acc=2.0, patience=2, lr=0.0)
     calls = []
-    monkeypatch.setattr(train_ar, "evaluate", lambda model, x, y: calls.append((len(x), ar.evaluate(model, x, y))) or calls[-1][1])
+
+    def spy(model, x, y):  # the real evaluate, noting how many sequences it was given
+        calls.append((len(x), ar.evaluate(model, x, y)))
+        return calls[-1][1]
+    monkeypatch.setattr(train_ar, "evaluate", spy)
     record = train_ar.train_one("softmax", 16, 0, data, cfg, "cpu")
     assert record["epochs"] == 3 and len(record["test_loss_per_epoch"]) == 3
     assert [n for n, _ in calls] == [500] * 4 + [600] and record["test_acc"] == calls[-1][1][0]
