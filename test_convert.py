@@ -133,8 +133,8 @@ def test_distill_model_trains_on_training_batches_and_checks_on_validation(monke
 
 
 def test_distill_model_keeps_the_maps_best_on_validation(monkeypatch):
-    """Stage 1 keeps the maps of its best validation check (every 20 steps): with the validation losses
-    scripted to 3, 1, 2, a 40-step run ends with the maps of the same run stopped at step 20."""
+    """Stage 1 keeps the maps of its best validation check (every 20 steps, and at the last): with the validation
+    losses scripted to 3, 1, 2, a 40-step run ends with the maps of the same run stopped at step 20."""
     teacher, real = tiny_gpt(), distill.distill_loss
     ids = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))
 
@@ -150,6 +150,30 @@ def test_distill_model_keeps_the_maps_best_on_validation(monkeypatch):
 
     assert torch.equal(maps_after(40, [3, 1, 2]), maps_after(20, [3, 1]))
     assert not torch.equal(maps_after(40, [3, 2, 1]), maps_after(20, [3, 2]))
+    assert not torch.equal(maps_after(30, [3, 2, 1]), maps_after(20, [3, 2]))  # the last step is checked too
+
+
+def test_both_stages_use_adamw_without_weight_decay_and_finetuning_clips(monkeypatch):
+    """Stage 1 and stage 2 each make one AdamW at their own learning rate and no weight decay (Hedgehog App. B:
+    AdamW's own default is 0.01); stage 2 clips the gradient norm at 1 at every step."""
+    made, clipped, adamw, clip = [], [], torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
+
+    def spy_adamw(params, **kw):  # the real optimiser, noting its settings
+        made.append((kw["lr"], kw.get("weight_decay", "AdamW's default")))
+        return adamw(params, **kw)
+
+    def spy_clip(params, max_norm):
+        clipped.append(max_norm)
+        return clip(params, max_norm)
+    monkeypatch.setattr(torch.optim, "AdamW", spy_adamw)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    model, ids = tiny_gpt(), torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))
+    convert.swap(model, "hedgehog", [0, 1])
+    convert.distill_model(model, tiny_gpt(), "xent", [0, 1], ids, ids,
+                          dict(distill_lr=1e-2, distill_iters=2, seed=0, batch_size=4), "cpu")
+    convert.finetune_model(model, ids, dict(finetune="lora", lora_r=4, lora_alpha=8, finetune_lr=1e-3, finetune_iters=3,
+                                            seed=0, batch_size=2, finetune_maps=True), "cpu")
+    assert made == [(1e-2, 0.0), (1e-3, 0.0)] and clipped == [1.0] * 3
 
 
 def test_each_method_distils_with_its_papers_loss():

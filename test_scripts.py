@@ -8,6 +8,7 @@ Run: python -m pytest -q test_scripts.py
 import ast
 import importlib
 import json
+import math
 import os
 import re
 
@@ -233,15 +234,28 @@ def test_resume_ends_where_an_uninterrupted_run_does(tmp_path):
 @needs_tokenizer
 def test_checkpoints_keep_the_last_and_the_best_evaluation(tmp_path, monkeypatch):
     """ckpt.pt holds the last evaluation, best.pt the best, and both record the best loss so far (the
-    validation losses scripted to 3, 1, 2 at steps 0, 2, 4)."""
+    validation losses scripted to 3, 1, 2 at steps 0, 2, 4). Every step clips the gradient norm at 1 (nanoGPT's
+    grad_clip), over all the model's parameters."""
     losses = iter([3.0, 1.0, 2.0])
     monkeypatch.setattr(train_gpt, "evaluate", lambda *a: next(losses))
+    clipped, clip = [], torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm):  # the real clipping, noting what it clipped
+        params = list(params)
+        clipped.append((sum(p.numel() for p in params), max_norm))
+        return clip(params, max_norm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
     cfg = dict(train_gpt.config, max_iters=4, eval_interval=2, eval_iters=1, batch_size=2, n_layer=1, d_model=16,
                block_size=16, sample_tokens=1, device="cpu", out_dir=str(tmp_path), results=str(tmp_path / "r.json"))
-    train_gpt.main(cfg)
+    record = train_gpt.main(cfg)
+    assert clipped == [(record["params"], 1.0)] * 4
     last, best = (torch.load(tmp_path / name, weights_only=False) for name in ("ckpt.pt", "best.pt"))
     assert (last["iter_num"], last["best_val_loss"]) == (4, 1.0)
     assert (best["iter_num"], best["best_val_loss"]) == (2, 1.0)
+
+
+def test_perplexity_is_e_to_the_loss_until_that_overflows():
+    assert [train_gpt.perplexity(x) for x in (0.0, 3.0, 100.0, 1e6)] == [1.0, math.exp(3), math.exp(100), math.inf]
 
 
 def test_the_learning_rate_warms_up_then_decays_to_min_lr():
