@@ -281,6 +281,25 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
     assert all(r["shared"] > 0 and 0 < r["regs"] <= 255 for r in rows)  # the numbers were really read
 
 
+@needs_triton
+def test_build_check_fails_a_launch_over_shared_memory_or_with_spills(monkeypatch):
+    """The check's verdict on the compiler's numbers, scripted here: a launch fits at exactly its arch's shared
+    memory per block, not one byte over, and not with a stack frame (spilled registers)."""
+    import build_check
+    monkeypatch.setattr(kernel, "BUILD_F", (16,))
+    monkeypatch.setattr(kernel, "BUILD_DV", (8,))
+    monkeypatch.setattr(kernel, "BUILD_SQUARES", ())
+    over = {"_output_kernel": (1, 0), "_dqk_kernel": (0, 8)}  # (bytes over the limit, stack bytes)
+
+    def compiled(fn, args, meta, arch):
+        extra, stack = over.get(fn.fn.__name__, (0, 0))
+        return build_check.SHARED_PER_BLOCK[arch] + extra, 40, stack
+    monkeypatch.setattr(build_check, "compile_launch", compiled)
+    rows = build_check.build_check(verbose=False)
+    assert {r["kernel"] for r in rows} >= {"states", "output", "dqk", "dv"} and {r["arch"] for r in rows} == {80, 90}
+    assert all(r["ok"] == (r["kernel"] not in ("output", "dqk")) for r in rows)
+
+
 def test_auto_backend_covers_the_build_checked_sizes():
     """auto sends to Triton (on CUDA) only sizes that compile to build-checked code."""
     if not kernel.HAS_TRITON:
