@@ -1,7 +1,7 @@
 """
-The scripts as a user runs them: the kernel benchmarks, the GPT and its conversion, tokenizer,
-checkpoints, resume, decoding, and one-line refusals of bad input (associative recall: test_ar.py;
-convert.py's parts: test_convert.py; the GPT model itself: test_gpt.py).
+The scripts as a user runs them: the GPT and its conversion, tokenizer, checkpoints, resume, DDP, and
+one-line refusals of bad input (associative recall: test_ar.py; convert.py's parts: test_convert.py; the
+GPT model itself: test_gpt.py; the benchmarks, bench_kernel.py and decode.py: test_bench.py).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -17,125 +17,10 @@ from test_all import HERE, run_script  # first: sets TRITON_INTERPRET before tri
 import pytest
 import torch
 
-import bench_kernel
 import gpt
 import train_ar
 import train_gpt
 from gpt import load_checkpoint, save_checkpoint
-
-
-# ----------------------------------------------------------------------------------------------
-# the kernel benchmarks
-
-
-def test_kernel_benchmark_smoke(tmp_path):
-    out = run_script("bench_kernel.py", "--lengths=128,200", "--heads=2", "--dim=16", "--features=16", "--repeats=1",
-                     f"--out={tmp_path / 'kernel.json'}")
-    err = {case: float(out.split(f"check torch, {case}: max relative error")[1].split("= ")[1].split()[0])
-           for case in ("float32", "bfloat16", "float32, closed form")}
-    assert err["float32"] < 1e-5 and err["float32, closed form"] < 1e-5, out  # the fallback against float64, in float32
-    assert err["bfloat16"] < 1e-2, out  # its output is rounded to bfloat16
-    rows = json.load(open(tmp_path / "kernel.json"))["rows"]
-    assert {(r["method"], r["T"]) for r in rows} >= {("linear, torch chunked", 128), ("softmax (sdpa)", 200)}
-    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)  # times are recorded (their values are noise here)
-
-
-def test_closed_form_benchmark_runs(tmp_path):
-    """bench_kernel.py --closed_form=true times every polynomial map both ways and saves the rows."""
-    run_script("bench_kernel.py", "--closed_form=true", "--repeats=1", "--closed_form_shapes=2x2x64x8,1x2x96x16",
-               cwd=tmp_path)
-    rows = json.load(open(tmp_path / "results" / "closed_form.json"))["rows"]
-    assert {(r["map"], r["what"]) for r in rows} == {(m, w) for m in ("taylor", "quadratic", "oal")
-                                                      for w in ("scores", "chunked attention")}
-    assert all(r["features_ms"] > 0 and r["closed_form_ms"] > 0 for r in rows)
-
-
-def test_device_report_bookkeeping(tmp_path):
-    """The GPU session's script at tiny sizes on the CPU: one row per shape, family and length, either
-    skipped (here when over max_gib) or timed against SDPA, with the feature size of each family, and the
-    polynomial families timed with their closed form and without."""
-    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal",
-               "--lengths=64,96", "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8",
-               f"--report_out={tmp_path / 'r.json'}")
-    r = json.load(open(tmp_path / "r.json"))
-    assert r["bandwidth_tbs"] == 4.8  # given; else from the GPU's name, and no memory bound for a GPU not in the table
-    gpus = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")
-    assert [bench_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in gpus] == [3.35, 4.8, 2.0, 1.555, None]
-    errors = r["check_max_rel_error"]
-    assert set(errors) == {"torch, float32", "torch, bfloat16", "torch, float32, closed form"} and r["fla"] is False
-    assert errors["torch, float32"] < 1e-5 and errors["torch, float32, closed form"] < 1e-5
-    assert errors["torch, bfloat16"] < 1e-2  # the output is rounded to bfloat16
-    rows = {(x["shape"], x["family"], x["T"]): x for x in r["rows"]}
-    assert len(rows) == 2 * 4 * 2
-    assert {x["F"] for k, x in rows.items() if k[0] == "1x2x8"} == {16, 8, 45}  # 2D, D, 1 + D + D(D+1)/2
-    assert "skipped" in rows["1x1x16", "taylor", 96] and "skipped" not in rows["1x2x8", "taylor", 64]
-    done = [x for x in rows.values() if "skipped" not in x]
-    assert all(x["speedup_vs_flash_fwd"] == pytest.approx(x["flash_fwd_ms"] / x["ours_fwd_ms"]) for x in done)
-    assert all(x["ours_fwd_bwd_ms"] > 0 for x in done)
-    # the memory bound: qf, kf, v read and y written once, float32 on a CPU, at 4.8 TB/s
-    assert all(x["memory_bound_ms"] == pytest.approx(x["B"] * x["H"] * x["T"] * (2 * x["F"] + 2 * x["D"]) * 4 / 4.8e9)
-               for x in done)
-    assert all(("ours_features_fwd_ms" in x) == (x["family"] in ("taylor", "oal")) for x in done)
-    assert rows["1x2x8", "oal", 64]["SQ"] == 6 and rows["1x2x8", "taylor", 64]["SQ"] == 2
-    assert r["check_seconds"] > 0
-    assert set(r["crossovers"]) == {f"{x['shape']} {x['family']}" for x in done}
-    assert all(c["longest_T"] in (64, 96) for c in r["crossovers"].values())
-
-
-def test_device_report_crossovers():
-    """The crossover is where ours stays at least as fast as FlashAttention (a tie counts) at every longer length
-    timed: a length that wins once and then loses again does not count. Per shape and family, eager and graphed."""
-    import bench_kernel
-    row = lambda T, s, g=None, family="hedgehog": dict(shape="1x12x64", family=family, T=T, speedup_vs_flash_fwd=s,
-                                                     **({} if g is None else {"graph_speedup_vs_flash_fwd": g}))
-    rows = [row(1024, 0.4, 0.9), row(2048, 1.1, 1.5), row(4096, 0.9, 2.0), row(8192, 1.0, 3.0), row(32768, 4.9, 6.1),
-            row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"),
-            dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
-    c = bench_kernel.crossovers(rows)
-    assert c["1x12x64 hedgehog"] == dict(crossover_T=8192, graph_crossover_T=2048, longest_T=32768, speedup_at_longest=4.9)
-    assert c["1x12x64 elu"] == dict(crossover_T=None, longest_T=32768, speedup_at_longest=0.8)  # no graph timings there
-    assert "1x12x64 oal" not in c
-
-
-def test_device_report_times_fla_on_its_layout(tmp_path, monkeypatch):
-    """fla's chunk_linear_attn (here a stand-in that checks what it gets) takes our qf, kf, v as [B, T, H, K],
-    with scale 1 and its normalisation, and the row gives our forward's time as a multiple of its own."""
-    import bench_kernel
-    seen = []
-
-    def fake_fla(q, k, v, scale, normalize):
-        seen.append((q.shape, k.shape, v.shape, scale, normalize))
-        y = bench_kernel.reference(*(x.transpose(1, 2) for x in (q, k, v)))  # ours, computed on fla's layout
-        return y.transpose(1, 2), None
-    monkeypatch.setattr(bench_kernel, "fla_linear_attention", lambda: fake_fla)
-    cfg = dict(check="timed", shapes="1x2x8", families="elu", lengths="64", repeats=1, max_gib=40.0,
-               report_out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
-    row, = bench_kernel.device_report(cfg)
-    assert set(seen) == {((1, 64, 2, 8), (1, 64, 2, 8), (1, 64, 2, 8), 1.0, True)}
-    assert row["ours_vs_fla_fwd"] == pytest.approx(row["ours_fwd_ms"] / row["fla_fwd_ms"]) and row["fla_fwd_bwd_ms"] > 0
-    assert json.load(open(tmp_path / "r.json"))["fla"] is True
-
-
-def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
-    """A report stopped part-way (a time limit, Ctrl-C) has saved every row it finished: here the 7th
-    timing raises, in the second row (the first takes flash's and ours' forward and forward+backward)."""
-    import bench_kernel
-    calls = []
-    real = bench_kernel._time
-
-    def timer(fn, repeats):
-        calls.append(1)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        return real(fn, repeats)
-    monkeypatch.setattr(bench_kernel, "_time", timer)
-    out = tmp_path / "r.json"
-    cfg = dict(check="timed", shapes="1x2x8", families="hedgehog", lengths="64,96,128", repeats=1, max_gib=40.0,
-               report_out=str(out), bandwidth_tbs=4.8)
-    with pytest.raises(KeyboardInterrupt):
-        bench_kernel.device_report(cfg)
-    rows = json.load(open(out))["rows"]
-    assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,51 +181,6 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert json.load(open(tmp_path / "gpt.json"))[-1]["processes"] == 2
     states = torch.load(tmp_path / "ckpt.pt", weights_only=False)["sampler_state"]
     assert len(states) == 2 and not torch.equal(states[0], states[1])
-
-
-def test_decode_benchmark_smoke(tmp_path):
-    """Guards the generation benchmark's bookkeeping against independent sizes: softmax's KV cache is
-    2 H T D float32 values and grows with the context; linear attention's state (S, z) is H F (D + 1);
-    swa keeps the window's keys and values, 2 H w D; lolcats those, the window's key features (H w F)
-    and the state."""
-    run_script("decode.py", "--contexts=64,256", "--tokens=2", "--heads=2", "--head_dim=8", "--gpt_tokens=4", "--window=16",
-               f"--out={tmp_path / 'decode.json'}", cwd=tmp_path)
-    result = json.load(open(tmp_path / "decode.json"))
-    layer = {(r["attention"], r["context"]): r for r in result["records"] if r["part"] == "layer"}
-    for T in (64, 256):
-        assert layer["softmax", T]["state_bytes"] == 2 * 2 * T * 8 * 4
-        assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
-        assert layer["swa", T]["state_bytes"] == 2 * 2 * 16 * 8 * 4
-        assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
-    assert all(r["ms_per_token"] > 0 for r in result["records"])
-    growth = {name: result["summary"][name]["state_growth"] for name in result["summary"]}
-    assert growth == {"softmax": 4, "hedgehog": 1, "swa": 1, "lolcats": 1}  # from 64 to 256 tokens, window 16
-    assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
-
-
-def test_decode_summary_and_timing_by_hand(tmp_path, monkeypatch):
-    """decode.py's numbers from scripted clocks: a step's time is the median of the timed steps after two
-    warm-up ones; the summary's growth is the last context's time over the first's, and the crossover the
-    first context at which an attention is strictly faster than softmax. The KV cache check counts K and V
-    in float32 and a copy of them: 2 x 2 H T D x 4 bytes."""
-    import decode
-    cfg = dict(decode.config, heads=2, head_dim=8, tokens=3)
-    clock, real = iter([0, 10, 0, 10, 0, 1, 0, 5, 0, 3]), decode.time.perf_counter  # steps of 10, 10 (warm-up), 1, 5, 3
-    monkeypatch.setattr(decode.time, "perf_counter", lambda: next(clock))
-    assert decode.time_layer("hedgehog", 16, cfg, "cpu")[0] == 3
-    monkeypatch.setattr(decode.time, "perf_counter", real)
-    ms = {"softmax": (1.0, 2.0, 4.0, 8.0), "hedgehog": (3.0, 2.0, 3.0, 3.0)}  # level at 256, faster from 1024
-    contexts = (64, 256, 1024, 4096)
-    monkeypatch.setattr(decode, "time_layer", lambda name, T, cfg, dev: (ms[name][contexts.index(T)] / 1e3, 100))
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its threads
-    monkeypatch.chdir(tmp_path)  # no out/<attention>/ckpt.pt here: part 2 is skipped
-    cfg.update(attentions="softmax,hedgehog", contexts="64,256,1024,4096", out=str(tmp_path / "d.json"))
-    decode.main(cfg)
-    assert json.load(open(tmp_path / "d.json"))["summary"] == {
-        "softmax": {"growth": 8.0, "state_growth": 1.0}, "hedgehog": {"growth": 1.0, "state_growth": 1.0, "crossover": 1024}}
-    monkeypatch.setattr(decode, "memory_bytes", lambda dev: 2 ** 30)
-    with pytest.raises(SystemExit, match=r"at 4194305 tokens needs 1.0 GiB, more than the 1.0 GiB"):
-        decode.main(dict(cfg, contexts=str(2 ** 22 + 1)))  # 16 H D = 256 bytes a token: one over 1 GiB
 
 
 # ----------------------------------------------------------------------------------------------
