@@ -78,6 +78,15 @@ def make_map(name, D=8, H=2, seed=0, **kw):
     return fmap
 
 
+def step_by_step(module, x):
+    """module.step over x (B, T, C) one token at a time from an empty cache: the outputs, (B, T, C)."""
+    cache, ys = None, []
+    for t in range(x.shape[1]):
+        y, cache = module.step(x[:, t], cache)
+        ys.append(y)
+    return torch.stack(ys, 1)
+
+
 def loop_reference(qf, kf, v, causal=True, eps=1e-6):
     """The definition, one query at a time: y_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = qf_i . kf_j."""
     T = qf.shape[2]
@@ -240,11 +249,7 @@ def test_causality_and_decoding(name):
     x2[:, 7] += 1.0
     assert torch.allclose(mha(x2)[:, :7], y[:, :7], atol=1e-6)
     assert not torch.allclose(mha(x2)[:, 7:], y[:, 7:], atol=1e-6)
-    cache, ys = None, []
-    for t in range(12):
-        y_t, cache = mha.step(x[:, t], cache)
-        ys.append(y_t)
-    assert torch.allclose(torch.stack(ys, 1), y, atol=1e-5)  # the parallel path may run the float32 kernel
+    assert torch.allclose(step_by_step(mha, x), y, atol=1e-5)  # the parallel path may run the float32 kernel
 
 
 @pytest.mark.parametrize("name", ["softmax", "hedgehog", "relu"])
@@ -286,11 +291,7 @@ def test_qk_dim_narrower_than_v(name, torch_path):
     y = softmax_attention(q, k, v) if mha.fmap is None else loop_reference(*mha.fmap(q, k), v)
     ref = mha.o(y.transpose(1, 2).flatten(2))
     assert torch.allclose(mha(x), ref, atol=1e-10)
-    cache, steps = None, []
-    for t in range(7):
-        y_t, cache = mha.step(x[:, t], cache)
-        steps.append(y_t)
-    assert torch.allclose(torch.stack(steps, 1), ref, atol=1e-10)
+    assert torch.allclose(step_by_step(mha, x), ref, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ its parallel forward does, generate's temperature and length, and the documented
 and evaluation, each by hand. The scripts that use it run in test_scripts.py and test_convert.py.
 Run: python -m pytest -q test_gpt.py
 """
-from test_all import NAMES, tiny_gpt  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import NAMES, step_by_step, tiny_gpt  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
@@ -30,11 +30,7 @@ def test_block_by_hand():
             u = torch.nn.functional.layer_norm(h, (16,), block.ln2.weight, block.ln2.bias)
             h = h + torch.nn.functional.gelu(u @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
         assert torch.allclose(block(x), h, atol=1e-6)
-        cache, steps = None, []
-        for t in range(5):
-            y, cache = block.step(x[:, t], cache)
-            steps.append(y)
-        assert torch.allclose(torch.stack(steps, 1), h, atol=1e-5)
+        assert torch.allclose(step_by_step(block, x), h, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["softmax"] + NAMES)
