@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 import distill
+import feature_maps as fm
 import fidelity
 import oal_budget
 import pretrained
-from attention import attention_weights
+from attention import MultiHeadAttention, attention_weights
 
 
 def _has(*modules):
@@ -181,7 +182,8 @@ def test_fidelity_pieces_by_hand():
     assert {name: fidelity.LOSS.get(name, "xent") for name in ("hedgehog", "t2r", "quadratic", "oal", "lolcats")} == {
         "hedgehog": "xent", "t2r": "xent", "quadratic": "mse", "oal": "mse", "lolcats": "mse"}  # as convert.METHODS
     text = ("Four words are short. Eight words make a long enough sentence here. lower case starts are not "
-            "sentences anyone counts here! Nine words and a question mark make this count? Ten.")
+            "sentences anyone counts here! Ten words in this sentence are too many to keep. "
+            "Nine words and a question mark make this count? Ten.")  # 10 words and [CLS], [SEP]: over 11
     got = fidelity.held_out_sentences(text, lambda t: [len(w) for w in t.split()], (101, 102), n=5, max_tokens=11)
     assert [x.tolist() for x in got] == [[[101, 5, 5, 4, 1, 4, 6, 8, 5, 102]], [[101, 4, 5, 3, 1, 8, 4, 4, 4, 6, 102]]]
 
@@ -195,6 +197,38 @@ def test_fidelity_pieces_by_hand():
     out = fidelity.conversion(model, students, ["same"], [0, 1], None, test_ids)
     by_hand = math.exp(model(test_ids[:, :-1], test_ids[:, 1:])[1].item())
     assert out["original"]["ppl"] == pytest.approx(by_hand) and out["same"]["ppl"] == pytest.approx(by_hand)
+    q, k = torch.rand(2, 3, 5, 4), 10 + torch.rand(2, 3, 5, 4)
+    c = fidelity.contributions(q, k, causal=False)
+    assert torch.allclose(torch.tensor(c["q_abs"]), q.mean((0, 2))) and torch.allclose(torch.tensor(c["k_abs"]), k.mean((0, 2)))
+
+
+def test_bidirectional_fidelity_by_hand():
+    """An encoder's (MiniLM's) fidelity: every query sees every key. Two tokens, relu map, D = 1, q = [1, 2],
+    k = [1, 3], v = I: softmax rows p0 = softmax([1, 3]), p1 = softmax([2, 6]), relu rows [1, 3] / 4 and
+    [2, 6] / 8, both [1/4, 3/4]. KL, RelMSE and the MSE loss from those; output_rel_mse per head and after
+    the output projection, and with a window of 1 (the diagonal) and gate g: rows [g, 3] / (g + 3) and
+    [2, g] / (2 + g)."""
+    q, k = (torch.tensor(x, dtype=torch.float64).view(1, 1, 2, 1) for x in ([1.0, 2.0], [1.0, 3.0]))
+    v = torch.eye(2, dtype=torch.float64).view(1, 1, 2, 2)
+    p = torch.tensor([[1.0, 3.0], [2.0, 6.0]], dtype=torch.float64).softmax(-1)  # (2, 2): the rows
+    r = torch.tensor([[1.0, 3.0], [2.0, 6.0]], dtype=torch.float64)
+    r = r / (r.sum(-1, keepdim=True) + 1e-6)  # the outputs' weights: the models' eps in the denominator
+    relu = fm.make_feature_map("relu", 1)
+    f = distill.mimicry(q, k, v, relu, causal=False)
+    quarter = torch.tensor([0.25, 0.75], dtype=torch.float64)  # the weights distilled (their eps is 1e-12)
+    assert f["kl"] == pytest.approx((p * (p / quarter).log()).sum().item() / 2, rel=1e-9)
+    assert f["rel_mse"] == pytest.approx(((p - r) ** 2).sum().item() / (p ** 2).sum().item(), rel=1e-9)
+    assert distill.distill_loss(relu, q, k, v, "mse", causal=False).item() == pytest.approx(((p - r) ** 2).mean().item())
+    attn = MultiHeadAttention(2, 1, causal=False, bias=True).double()
+    per_head, after_o = distill.output_rel_mse(attn, relu, q, k, v)
+    y, yhat = (x @ attn.o.weight.detach().T + attn.o.bias.detach() for x in (p, r))  # (T, C), projected
+    assert per_head == pytest.approx([f["rel_mse"]])
+    assert after_o == pytest.approx((((yhat - y) ** 2).sum() / (y ** 2).sum()).item(), rel=1e-9)
+    g = 0.3
+    hybrid = torch.tensor([[g, 3.0], [2.0, g]], dtype=torch.float64)
+    hybrid = hybrid / hybrid.sum(-1, keepdim=True)
+    per_head, _ = distill.output_rel_mse(attn, relu, q, k, v, window=1, gate=g)
+    assert per_head == pytest.approx([((hybrid - p) ** 2).sum().item() / (p ** 2).sum().item()])
 
 
 def test_oal_budget_pieces_by_hand():
