@@ -180,6 +180,9 @@ def test_ar_gives_every_map_the_feature_size_asked(target):
     assert train_ar.state_size("swa", 32, 32, 1, 64, 127, window=40) == 40 * (32 + 64)
     assert train_ar.state_size("swa", 32, 32, 1, 64, 20, window=40) == 20 * (32 + 64)  # a window past the sequence
     assert train_ar.qk_dim_for("hedgehog", {}, target + 1) == target // 2 + 1  # F = 2D: a tie goes to the larger D
+    path = train_ar.model_path("taylor", target, 3, dict(train_ar.config, out_dir="d"))  # named by the F it got
+    assert path == os.path.join("d", f"model_taylor_F{train_ar.run_sizes('taylor', target, train_ar.config)[3]}_seed3.pt")
+    assert path != os.path.join("d", f"model_taylor_F{target}_seed3.pt")
 
 
 def test_ar_holds_the_window_attentions_to_the_same_state():

@@ -199,6 +199,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_ar.py", ["--seq_len=2"], "--seq_len=2 is out of range"),
     ("train_ar.py", ["--seeds=one"], "not a comma-separated list of integers"),
     ("train_ar.py", ["--features=64,1"], "--features='64,1': each F must be 0 (the q/k head d_model / n_head) or at"),
+    ("train_ar.py", ["--warmup=1"], "--dropout and --warmup are fractions below 1"),  # the decay divided by 0
     ("train_ar.py", ["--device=tpu"], "--device=tpu is not a device name; valid: auto, cpu"),
     ("decode.py", ["--device=cuda:99"], "--device=cuda:99: this machine or PyTorch build has no such device"),
     ("convert.py", ["--methods=hedgehog,foo"], "--methods: unknown foo"),
