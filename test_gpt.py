@@ -8,6 +8,7 @@ from test_all import NAMES, step_by_step, tiny_gpt  # first: sets TRITON_INTERPR
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gpt
 from attention import Block
@@ -23,12 +24,12 @@ def test_block_by_hand():
         with torch.no_grad():  # the two layer norms apart from their start, where they are the same function
             for p in block.parameters():
                 p.add_(0.1 * torch.randn_like(p))
-        h = x + block.attn(torch.nn.functional.layer_norm(x, (16,), block.ln1.weight, block.ln1.bias))
+        h = x + block.attn(F.layer_norm(x, (16,), block.ln1.weight, block.ln1.bias))
         if ratio:
             lin1, lin2 = block.mlp[0], block.mlp[2]
             assert lin1.weight.shape == (48, 16)
-            u = torch.nn.functional.layer_norm(h, (16,), block.ln2.weight, block.ln2.bias)
-            h = h + torch.nn.functional.gelu(u @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
+            u = F.layer_norm(h, (16,), block.ln2.weight, block.ln2.bias)
+            h = h + F.gelu(u @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
         assert torch.allclose(block(x), h, atol=1e-6)
         assert torch.allclose(step_by_step(block, x), h, atol=1e-5)
 
