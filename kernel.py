@@ -92,8 +92,15 @@ try:
 except ImportError:
     TRITON_VERSION = None
 TRITON_MIN = (3, 6)  # the oldest triton build_check.py compiled every launch with, and a GPU ran them with
-# an older one counts as absent and the PyTorch fallback runs: torch 2.1's triton 2.1 aborts compiling the closed form
-HAS_TRITON = TRITON_VERSION is not None and tuple(int(n) for n in re.findall(r"\d+", TRITON_VERSION)[:2]) >= TRITON_MIN
+
+
+def new_enough(version):
+    """Whether a triton version string ("3.9.0") is TRITON_MIN or later. An older triton counts as absent and
+    the PyTorch fallback runs: torch 2.1's triton 2.1 aborts compiling the closed form."""
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:2]) >= TRITON_MIN
+
+
+HAS_TRITON = TRITON_VERSION is not None and new_enough(TRITON_VERSION)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, so read it here too
 # fused multiply-adds in the compiled kernels, as built and measured (triton <= 3.9's default, which 3.9 warns
 # will be off from 3.10 unless this is set); a value the user set is kept

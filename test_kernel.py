@@ -105,6 +105,18 @@ def test_kernel_segments_match_float64(programs, min_segment, segments, fused, m
     assert launched == ([(4 * kernel._segments(11, 4)[1],)] if fused else [])  # one value tile per segment
 
 
+@pytest.mark.parametrize("N,programs,segments", [(4, 96, (8, 1)), (512, 96, (13, 40)), (512, 4096, (512, 1)),
+                                                  (512, 8192, (512, 1))])
+def test_segments_at_the_defaults(N, programs, segments):
+    """kernel._segments at STATE_PROGRAMS = 4096 and MIN_SEGMENT = 8, by hand. Hedgehog's Fig. 6 shape (B H = 12,
+    F = 128 and Dv = 64 in 4 x 2 tiles: 96 programs a segment) asks for 4096 // 96 = 42 segments: 256 tokens
+    (4 chunks) are one segment of at least 8 chunks; 32K tokens (512 chunks) are 40 segments of
+    ceil(512 / 42) = 13. A segment that alone fills the 4096 programs, or more than fills them, is the whole
+    sequence (not a division by zero)."""
+    assert (kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT) == (4096, 8)
+    assert kernel._segments(N, programs) == segments
+
+
 @needs_triton
 @pytest.mark.parametrize("Dv", [17, 40])
 @pytest.mark.parametrize("programs,min_segment,segments", [(4, 8, (11, 1)), (8, 8, (8, 2)), (32, 2, (2, 6))])
@@ -308,10 +320,25 @@ def test_auto_backend_covers_the_build_checked_sizes():
     assert kernel.triton_covered(4161, 64)  # same tiles and divisibility as 2145
     # an int of 1 is compiled in; Dv 130: untested tiles
     assert not kernel.triton_covered(1, 64) and not kernel.triton_covered(64, 130)
+    # Dv 40 takes Dv 64's tiles but is not a multiple of 16 (Triton compiles that in); 48 is, and is covered
+    assert kernel._configs(64, 40) == kernel._configs(64, 64)
+    assert not kernel.triton_covered(64, 40) and kernel.triton_covered(64, 48)
     assert all(kernel.triton_covered(1 + D + D * (D + 1) // 2, dv, D, SQ)
                for D, SQ in kernel.BUILD_SQUARES for dv in kernel.BUILD_DV)
     assert not kernel.triton_covered(2145, 64, 64, 3)  # 3 terms (OAL with 2 groups) are another compilation
     assert not kernel.triton_covered(8385, 64, 128, 2)  # D = 128: a tile of 128, not build-checked
+
+
+def test_which_forward_is_fused_and_which_triton_is_new_enough():
+    """The fused forward takes bfloat16 features up to FUSED_MAX_F = 128, Hedgehog's F at D = 64, and no closed
+    form; the kernels take triton 3.6 and later, 3.10 after 3.9 (numbers, not strings)."""
+    assert kernel.FUSED_MAX_F == 128
+    assert kernel._is_fused(128, torch.bfloat16, None) and kernel._is_fused(1, torch.bfloat16, None)
+    assert not kernel._is_fused(129, torch.bfloat16, None)
+    assert not kernel._is_fused(128, torch.float32, None) and not kernel._is_fused(128, torch.float16, None)
+    assert not kernel._is_fused(45, torch.bfloat16, (None,) * 5)  # Taylor at D = 8 with its closed form
+    assert all(kernel.new_enough(v) for v in ("3.6.0", "3.9.0", "3.10.1", "4.0"))
+    assert not any(kernel.new_enough(v) for v in ("3.5.1", "2.1.0", "3.1"))
 
 
 def test_an_older_triton_counts_as_absent(tmp_path):
@@ -363,10 +390,12 @@ def test_kernel_squares_match_float64(backend, dtype, name, T, D):
 def test_kernel_squares_gradients_of_every_input():
     """The Triton closed-form backward, each of the eight inputs' gradient, against the fallback's in float64
     (gradchecked below) with the same chunk: the chunk decides which pairs' gradient goes through the closed
-    form and which through the features. base and c too, which no map's parameters read (OAL's base is eps)."""
+    form and which through the features. base and c too, which no map's parameters read: base is set to
+    O(1) values per head here (every map's is 0, or OAL's eps), so that the forward's use of it counts."""
     fmap = make_map("oal", D=12, H=3)
     q, k, v = qkv(B=2, H=3, T=70, D=12, Dv=9)
     inputs = [x.detach() for x in (*fmap(q, k), v, *fmap.squares(q, k))]  # qf, kf, v, then q, k, lam, c, base
+    inputs[-1] = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
     dy = torch.randn(2, 3, 70, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     ref_in = [x.clone().requires_grad_() for x in inputs]
     ref = kernel._ChunkedLinearAttention.apply(*ref_in[:3], kernel.EPS, kernel.CHUNK, *ref_in[3:])
