@@ -114,7 +114,7 @@ def programs(kern, F_, Dv, BH, T):
     cfg = kernel._configs(F_, Dv)[kern]
     N = triton.cdiv(T, cfg.get("C", kernel.CHUNK))  # the fused pass's chunk is a setting
     if kern == "dsquares":
-        return N * BH
+        return 2 * N * BH  # two programs per chunk, dq' and dk'
     if kern in ("states", "fused"):
         tiles = triton.cdiv(F_, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * BH
         return tiles * kernel._segments(N, tiles)[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_all import NAMES, make_map, qkv  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import NAMES, make_map, qkv, step_by_step  # first: sets TRITON_INTERPRET before triton is imported
 from attention import (MultiHeadAttention, hybrid_attention, hybrid_attention_quadratic, hybrid_attention_step,
                        hybrid_weights, sliding_window_attention)
 
@@ -109,6 +109,31 @@ def test_swa_is_softmax_over_the_last_w_tokens():
     expected = torch.autograd.grad((F.scaled_dot_product_attention(q, k, v, attn_mask=allowed) * g_out).sum(), (q, k, v))
     for x, r in zip(torch.autograd.grad((sliding_window_attention(q, k, v, w, chunk=8) * g_out).sum(), (q, k, v)), expected):
         assert torch.allclose(x, r, rtol=1e-9, atol=1e-10)
+    # the layer: its heads through that window, forward and step by step, and weights zero beyond it
+    layer = MultiHeadAttention(16, 2, "swa", window=w).double()
+    x = torch.randn(1, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    q, k, v = layer.heads(x)
+    ref = layer.o(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).flatten(2))
+    assert torch.allclose(layer(x), ref, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(step_by_step(layer, x), ref, rtol=1e-10, atol=1e-12)
+    assert (layer.weights(x)[..., ~allowed] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["swa", "lolcats"])
+def test_an_encoder_layer_attends_both_ways_through_its_window(name):
+    """A bidirectional (encoder) swa or lolcats layer is the quadratic form with the band |i - j| < w on both
+    sides: the first token sees the next w - 1, and not the one after them (swa) or only through the linear
+    part (lolcats)."""
+    layer = MultiHeadAttention(16, 2, name, causal=False, window=3).double()
+    x = torch.randn(1, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    q, k, v = layer.heads(x)
+    qf, kf = layer.features(q, k)
+    y = hybrid_attention_quadratic(q, k, qf, kf, v, 3, layer.g(), causal=False)
+    assert torch.allclose(layer(x), layer.o(y.transpose(1, 2).flatten(2)), rtol=1e-10, atol=1e-12)
+    for t, seen in ((2, True), (3, name == "lolcats")):
+        x2 = x.clone()
+        x2[:, t] += 1
+        assert (layer(x2)[:, 0] - layer(x)[:, 0]).abs().max() > 1e-6 if seen else torch.equal(layer(x2)[:, 0], layer(x)[:, 0])
 
 
 def test_every_hybrid_form_refuses_an_empty_window():  # w = 0 leaves softmax no key: NaN rows

@@ -7,6 +7,7 @@ interpreter here (test_all.py sets TRITON_INTERPRET before triton is imported; i
 below) and on the GPU on a CUDA machine.
 """
 import json
+import math
 import os
 
 from test_all import DEV, POLYNOMIAL, make_map, needs_triton, qkv, run_script  # first: sets TRITON_INTERPRET
@@ -252,6 +253,9 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
     bf16_rounding = lambda r: r["kernel"] == "states" or r.get("C") == 32
     assert all(r["rel_error"] < (1e-2 if bf16_rounding(r) else 1e-5) and r["ms"] > 0 for r in rows)
     assert json.load(open(tmp_path / "s.json"))["rows"] == rows
+    # 64 tokens, one chunk: the fused forward is one segment, with no sums to time (no row for them)
+    one = dict(cfg, lengths="64", tiles="32", programs="4096", min_segments="8", chunks="64")
+    assert [(r["kernel"], "ms" in r) for r in sweep_kernel.sweep(one)] == [("fused", True), ("states", True), ("output", True)]
 
 
 @needs_triton
@@ -291,6 +295,22 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad[:5]
     assert all(r["shared"] > 0 and 0 < r["regs"] <= 255 for r in rows)  # the numbers were really read
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,D,SQ", [(torch.bfloat16, 0, 0), (torch.float32, 0, 0), (torch.float32, 8, 2)])
+def test_build_check_counts_the_programs_of_each_launch(dtype, D, SQ):
+    """build_check.programs, the table's last column, against the grids of the launches it recorded (one head,
+    4K tokens): every kernel, fused (bf16) or not, with the closed form's dsquares (two programs per chunk)."""
+    import build_check
+    F_, Dv, T = (1 + D + D * (D + 1) // 2 if SQ else 64), 64, 4096
+    log = build_check.recorded_launches(F_, Dv, T, dtype, D, SQ)
+    names = set()
+    for fn, grid, _, _ in log:
+        name = fn.fn.__name__.strip("_").removesuffix("_kernel")
+        names.add(name)
+        assert build_check.programs(name, F_, Dv, 1, T) == math.prod(grid), (name, grid)
+    assert "dsquares" in names if SQ else "fused" in names if dtype == torch.bfloat16 else "output" in names
 
 
 @needs_triton

@@ -143,6 +143,7 @@ def test_contributions_by_hand():
     assert out["q_abs"][1] == out["k_abs"][1] == pytest.approx([1.0] * 3 + [3.0] + [1.0] * 6)
 
 
+@needs_minilm
 def test_fidelity_report_smoke(tmp_path):
     run_script("fidelity.py", "--maps=elu,hedgehog,oal,swa,lolcats", "--convert_maps=elu,hedgehog,lolcats", "--steps=3",
                "--calib=2", "--test=2", "--seq_len=32", "--lengths=64", "--sentences=4", "--plots=False",
@@ -190,6 +191,11 @@ def test_fidelity_pieces_by_hand():
     x = pretrained.windows(torch.arange(20), 2000, 6, (101, 102), torch.Generator().manual_seed(0))
     assert (x[:, 0] == 101).all() and (x[:, -1] == 102).all() and (x[:, 2:-1] - x[:, 1:-2] == 1).all()
     assert sorted(set(x[:, 1].tolist())) == list(range(16))  # every start below 20 - 4 (the docstring says why)
+    gen = torch.Generator().manual_seed(0)
+    assert pretrained.windows(torch.arange(5), 3, 4, None, gen).tolist() == [[0, 1, 2, 3]] * 3  # the one start
+    for special, T in ((None, 4), ((101, 102), 6)):  # a text of exactly one window's tokens has no start below 0
+        with pytest.raises(SystemExit, match="the text has 4 tokens, too few for windows of"):
+            pretrained.windows(torch.arange(4), 1, T, special, gen)
 
     model = tiny_gpt()
     test_ids = torch.randint(0, 50, (3, 13), generator=torch.Generator().manual_seed(0))
@@ -261,6 +267,57 @@ def test_oal_budget_draws_calibration_and_validation_from_the_first_80_percent(t
     encode = pretrained.load("minilm")[1]
     cut = int(0.8 * len(text))
     assert drawn == [(3, encode(text[:cut])), (1, encode(text[cut:])), (2, encode(text[:cut]))]
+
+
+@needs_minilm
+def test_fidelity_draws_its_windows_and_converts_every_and_the_middle_layers(tmp_path, monkeypatch):
+    """Calibration and best-checkpoint windows from the text's first 80%, held-out ones from the rest (one
+    draw per length); OAL grouped on the calibration windows; the conversion swaps all 6 layers, then the
+    middle ones, 1-4."""
+    text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
+    (tmp_path / "t.txt").write_text(text)
+    drawn, real = [], pretrained.windows
+    monkeypatch.setattr(pretrained, "windows", lambda ids, n, T, *a: drawn.append((n, T, ids.tolist())) or real(ids, n, T, *a))
+    swapped, convert = [], fidelity.conversion
+    monkeypatch.setattr(fidelity, "conversion", lambda m, s, names, ids, *a: swapped.append(ids) or convert(m, s, names, ids, *a))
+    grouped, group = [], fm.OAL.set_groups_from
+    monkeypatch.setattr(fm.OAL, "set_groups_from", lambda self, q, *a: grouped.append(len(q)) or group(self, q, *a))
+    fidelity.main(dict(fidelity.config, text=str(tmp_path / "t.txt"), maps="elu,oal", convert_maps="elu", steps=0, calib=3,
+                       val=2, test=1, seq_len=16, lengths="32", sentences=2, plots=False, results=str(tmp_path / "f.json")))
+    encode = pretrained.load("minilm")[1]
+    cut = int(0.8 * len(text))
+    train, held_out = encode(text[:cut]), encode(text[cut:])
+    assert drawn == [(3, 16, train), (1, 16, held_out), (1, 32, held_out), (2, 16, train)]
+    assert swapped == [[0, 1, 2, 3, 4, 5], [1, 2, 3, 4]] and grouped == [3] * 6  # the 3 calibration windows
+
+
+def test_fidelity_conversion_and_report_by_hand():
+    """The conversion's cosine as the mean and the minimum over sentences of the converted model's embedding
+    against the original's, and the report's means over layers, on numbers written out here."""
+    torch.manual_seed(0)
+    model = pretrained.Bert(vocab_size=30, max_len=16, n_layer=2, n_head=2, d_model=16, d_ff=32).eval()
+    students = {"elu": {}}
+    for i in (0, 1):
+        students["elu"][i] = MultiHeadAttention(16, 2, "elu", causal=False, bias=True)
+        students["elu"][i].load_state_dict(model.blocks[i].attn.state_dict())
+    sentences = [torch.randint(0, 30, (1, T)) for T in (4, 7, 11)]
+    out = fidelity.conversion(model, students, ["elu"], [0, 1], sentences, None)
+    swapped = pretrained.Bert(vocab_size=30, max_len=16, n_layer=2, n_head=2, d_model=16, d_ff=32).eval()
+    swapped.load_state_dict(model.state_dict())
+    for block in swapped.blocks:
+        block.attn.use("elu")
+    with torch.no_grad():
+        cos = [(model.sentence_embedding(s) * swapped.sentence_embedding(s)).sum().item() for s in sentences]
+    assert max(cos) - min(cos) > 1e-3 and out["original"] == {"cosine": 1.0}
+    assert out["elu"] == pytest.approx({"cosine": sum(cos) / 3, "cosine_min": min(cos)})
+
+    keys = ("kl", "rel_mse", "rel_mse_out", "entropy", "monotonicity")
+    row = lambda layer, name, x: dict(layer=layer, map=name, entropy_softmax=1.0, **{key: x for key in keys},
+                                      by_length={32: {"kl": 10 * x, "rel_mse": 100 * x}})
+    rows = [row(0, "elu", 1.0), row(0, "hedgehog", 2.0), row(1, "elu", 3.0), row(1, "hedgehog", 6.0)]
+    summary = fidelity.report(rows, ["elu", "hedgehog"], [32], {0: {"top_share": [0.2, 0.4]}}, {}, {}, {"seq_len": 16})
+    for name, x in (("elu", 2.0), ("hedgehog", 4.0)):
+        assert summary[name] == {**{key: x for key in keys}, "kl_by_length": {32: 10 * x}, "rel_mse_by_length": {32: 100 * x}}
 
 
 @needs_transformers
