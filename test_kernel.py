@@ -299,18 +299,24 @@ def test_triton_build_check_fits_a100_and_h100(tmp_path):
 
 @needs_triton
 @pytest.mark.parametrize("dtype,D,SQ", [(torch.bfloat16, 0, 0), (torch.float32, 0, 0), (torch.float32, 8, 2)])
-def test_build_check_counts_the_programs_of_each_launch(dtype, D, SQ):
-    """build_check.programs, the table's last column, against the grids of the launches it recorded (one head,
-    4K tokens): every kernel, fused (bf16) or not, with the closed form's dsquares (two programs per chunk)."""
+def test_build_check_records_every_launch_and_its_programs(dtype, D, SQ):
+    """build_check's recorded launches (one head, 4K tokens, 8 segments) in order: a forward (y in float32, for
+    the backward: fused for bf16), a backward (pass 1 forwards and backwards, each segment sums then walk, then
+    the gradient kernels), a forward without a backward (y in the inputs' dtype), and where the forward is fused,
+    both forwards unfused too. build_check.programs, the table's last column, against each launch's grid."""
     import build_check
     F_, Dv, T = (1 + D + D * (D + 1) // 2 if SQ else 64), 64, 4096
     log = build_check.recorded_launches(F_, Dv, T, dtype, D, SQ)
-    names = set()
-    for fn, grid, _, _ in log:
+    seq = []
+    for fn, grid, args, meta in log:
         name = fn.fn.__name__.strip("_").removesuffix("_kernel")
-        names.add(name)
         assert build_check.programs(name, F_, Dv, 1, T) == math.prod(grid), (name, grid)
-    assert "dsquares" in names if SQ else "fused" in names if dtype == torch.bfloat16 else "output" in names
+        y_bf16 = name in ("output", "fused") and args[5].dtype == torch.bfloat16  # (q, k, v, S, z, y, ...)
+        seq.append(("walk" if meta["WALK"] else "sums") if name == "states" else name + "/bf16" * y_bf16)
+    backward = "sums walk sums walk dqk dv" + " dsquares" * bool(SQ)
+    forwards = ("sums fused", "sums fused/bf16 sums walk output sums walk output/bf16") if dtype == torch.bfloat16 \
+        else ("sums walk output", "sums walk output")
+    assert " ".join(seq) == f"{forwards[0]} {backward} {forwards[1]}"
 
 
 @needs_triton

@@ -215,6 +215,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("bench_kernel.py", ["--closed_form_shapes=1x2x0x4"], "--closed_form_shapes='1x2x0x4' is not a"),
     ("sweep_kernel.py", ["--tiles=32,big"], "--tiles='32,big' is not a comma-separated list of integers"),
     ("sweep_kernel.py", ["--shape=1x12x64,8x32x128"], "--shape='1x12x64,8x32x128': one size B x H x D"),
+    ("sweep_kernel.py", ["--warps=1,2", "--shape=1x12x64,8x32x128"], "--shape="),  # 1 and 2 warps are powers of two
     ("sweep_kernel.py", ["--chunks=32,48"], "--chunks='32,48' must list powers of two"),
     ("sweep_kernel.py", ["--tiles=8"], "--tiles='8' must list integers >= 16"),
     ("sweep_kernel.py", ["--warps=6"], "--warps='6' must list powers of two"),
