@@ -194,7 +194,7 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     if dev == "cuda" and HAS_TRITON:
         methods["linear, triton"] = lambda q, k, v: causal_linear_attention(q, k, v, backend="triton")
     rows = []
-    print(f"\ndevice {torch.cuda.get_device_name() if dev == 'cuda' else f'cpu ({threads} thread)'}, batch 1, {heads} heads, "
+    print(f"\ndevice {torch.cuda.get_device_name() if dev == 'cuda' else f'cpu, threads: {threads}'}, batch 1, {heads} heads, "
           f"head dim {dim}; linear: F = {features} features, Dv = {dim} (the inputs stand for features), {dtype}")
     print(f"{'method':<24} {'T':>6} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9}")
     for T in lengths:

@@ -126,7 +126,8 @@ def main(cfg):
     dev = pick_device(cfg["device"])
     if dev == "cpu":
         torch.set_num_threads(cfg["threads"])
-    where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({torch.get_num_threads()} thread)"
+    n = torch.get_num_threads()
+    where = torch.cuda.get_device_name() if dev == "cuda" else f"{dev} ({n} thread{'s' * (n > 1)})"
     need, have = 2 * 2 * cfg["heads"] * max(lengths) * cfg["head_dim"] * 4, memory_bytes(dev)  # fp32 K, V and a copy
     if "softmax" in names and have and need > have:
         raise SystemExit(f"error: --contexts: softmax's KV cache at {max(lengths)} tokens needs {need / 2 ** 30:.1f} GiB, "

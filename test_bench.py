@@ -14,6 +14,7 @@ import torch
 
 import bench_kernel
 import decode
+from attention import MultiHeadAttention
 
 
 def test_kernel_benchmark_smoke(tmp_path):
@@ -137,10 +138,13 @@ def test_decode_benchmark_smoke(tmp_path):
         assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
         assert layer["swa", T]["state_bytes"] == 2 * 2 * 16 * 8 * 4
         assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
-    assert all(r["ms_per_token"] > 0 for r in result["records"])
+    assert all(r["ms_per_token"] > 0 and r["device"] == "cpu (1 thread)" for r in result["records"])  # --threads=1
     growth = {name: result["summary"][name]["state_growth"] for name in result["summary"]}
     assert growth == {"softmax": 4, "hedgehog": 1, "swa": 1, "lolcats": 1}  # from 64 to 256 tokens, window 16
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
+    # a context shorter than the window: the window holds only its tokens (5 here)
+    cache = decode.cache_of_length(MultiHeadAttention(16, 2, "lolcats", window=16), 5, "cpu")
+    assert cache["window"]["k"].shape[2] == 5 and decode.cache_bytes(cache) == (2 * 2 * 5 * 8 + 2 * 5 * 16 + 2 * 16 * (8 + 1)) * 4
 
 
 def test_decode_summary_and_timing_by_hand(tmp_path, monkeypatch):

@@ -317,6 +317,7 @@ def test_build_check_records_every_launch_and_its_programs(dtype, D, SQ):
     forwards = ("sums fused", "sums fused/bf16 sums walk output sums walk output/bf16") if dtype == torch.bfloat16 \
         else ("sums walk output", "sums walk output")
     assert " ".join(seq) == f"{forwards[0]} {backward} {forwards[1]}"
+    assert kernel.FUSED_MAX_F == 128 and not any(isinstance(getattr(kernel, n), build_check.Recorder) for n in build_check.KERNELS)
 
 
 @needs_triton

@@ -26,6 +26,7 @@ import fidelity
 import oal_budget
 import pretrained
 from attention import MultiHeadAttention, attention_weights
+from oal_groups import contribution_scores, top_share
 
 
 def _has(*modules):
@@ -246,27 +247,36 @@ def test_oal_budget_pieces_by_hand():
     assert [g.bincount().tolist() for g in shuffled] == [[20, 10, 2], [31, 1]] and not torch.equal(shuffled, groups)
     row = lambda layer, kind, G, heads, out, share: dict(layer=layer, kind=kind, G=G, rel_mse_heads=heads,
                                                           rel_mse_out=out, top_share=share)
-    rows = [row(0, "contribution", 1, [4.0, 2.0], 1.0, [0.3, 0.5]), row(1, "contribution", 1, [6.0, 8.0], 3.0, [0.2, 0.1]),
-            row(0, "random", 2, [1.0, 3.0], 2.0, [0.3, 0.5]), row(1, "random", 2, [7.0, 9.0], 5.0, [0.2, 0.1])]
+    rows = [row(0, "contribution", 1, [4.0, 2.0], 1.0, [0.3, 0.5]), row(1, "contribution", 1, [6.0, 8.0], 3.0, [0.2, 0.6]),
+            row(0, "random", 2, [1.0, 3.0], 2.0, [0.3, 0.5]), row(1, "random", 2, [7.0, 9.0], 5.0, [0.2, 0.6])]
     summary = oal_budget.report(rows, 2)
-    assert summary["most_skewed_head"] == {"layer": 0, "head": 1}
+    assert summary["most_skewed_head"] == {"layer": 1, "head": 1}  # its RelMSE is layer 1's row's, head 1
     assert summary["results"] == [
-        {"kind": "contribution", "G": 1, "rel_mse": 5.0, "rel_mse_out": 2.0, "skewed_head": 2.0, "heads_below_one_group": 0},
-        {"kind": "random", "G": 2, "rel_mse": 5.0, "rel_mse_out": 3.5, "skewed_head": 3.0, "heads_below_one_group": 1}]
+        {"kind": "contribution", "G": 1, "rel_mse": 5.0, "rel_mse_out": 2.0, "skewed_head": 8.0, "heads_below_one_group": 0},
+        {"kind": "random", "G": 2, "rel_mse": 5.0, "rel_mse_out": 3.5, "skewed_head": 9.0, "heads_below_one_group": 1}]
 
 
 @needs_minilm
 def test_oal_budget_draws_calibration_and_validation_from_the_first_80_percent(tmp_path, monkeypatch):
-    """Calibration and best-checkpoint windows come from the text's first 80%, test windows from the rest."""
+    """Calibration and best-checkpoint windows come from the text's first 80%, test windows from the rest;
+    every grouping is scored on the test window, and each head's top-10% share is that of its contribution
+    averaged over the calibration windows."""
     text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
     (tmp_path / "t.txt").write_text(text)
-    drawn, real = [], pretrained.windows
-    monkeypatch.setattr(pretrained, "windows", lambda ids, n, *a: drawn.append((n, ids.tolist())) or real(ids, n, *a))
+    drawn, windows, real = [], [], pretrained.windows
+    monkeypatch.setattr(pretrained, "windows", lambda ids, n, *a: drawn.append((n, ids.tolist())) or
+                        windows.append(real(ids, n, *a)) or windows[-1])
+    scored, score = [], distill.output_rel_mse
+    monkeypatch.setattr(distill, "output_rel_mse", lambda attn, fmap, q, *a: scored.append(len(q)) or score(attn, fmap, q, *a))
     oal_budget.main(dict(oal_budget.config, text=str(tmp_path / "t.txt"), layers="0", budgets="1", steps=0, calib=3,
                          test=1, val=2, seq_len=16, out=str(tmp_path / "b.json")))
-    encode = pretrained.load("minilm")[1]
+    net, encode, _ = pretrained.load("minilm")
     cut = int(0.8 * len(text))
     assert drawn == [(3, encode(text[:cut])), (1, encode(text[cut:])), (2, encode(text[:cut]))]
+    assert scored and set(scored) == {1}  # the one test window
+    q, k, _ = distill.layer_qkv(net, windows[0], [0])[0]
+    share = top_share(contribution_scores(q, k, causal=False).mean(0)).tolist()
+    assert all(r["top_share"] == pytest.approx(share) for r in json.load(open(tmp_path / "b.json"))["rows"])
 
 
 @needs_minilm
