@@ -221,7 +221,9 @@ def test_exp_normalize_makes_t_a_temperature():
 
 def test_config_files(tmp_path):
     """A config file of literal assignments applies like flags (flags after it win); anything else is refused;
-    config/ar_h3.py is valid for train_ar. Boolean flags and layer lists parse as configurator says, or are refused."""
+    config/ar_h3.py is valid for train_ar. Boolean flags and layer lists parse as configurator says, or are refused,
+    as are a rate of 0, an empty name, a device the machine lacks, and in a file a boolean for an integer or a = b = 1;
+    a flag whose value ends in .py stays a flag."""
     path = tmp_path / "c.py"
     path.write_text('"""doc"""\nepochs = 7\nlr = 1  # an int where a float is expected is fine\nformat = "h3"\n')
     cfg = configurator.configure(dict(train_ar.config), [str(path), "--epochs=2"])
@@ -234,7 +236,16 @@ def test_config_files(tmp_path):
     for bad in ("3", "-1", "1,1", "a"):  # layer indices of a 3-layer model: 0..2, each once
         with pytest.raises(SystemExit, match="error: --layers"):
             configurator.layer_list({"layers": bad}, 3)
-    for bad in ("epochs = 2 + 1\n", "import os\n", "nope = 1\n", "epochs = 'x'\n"):
+    with pytest.raises(SystemExit, match="--lr=0.0 is out of range: it must be greater than 0"):  # a rate of 0 learns nothing
+        configurator.positive({"lr": 0.0}, "lr")
+    with pytest.raises(SystemExit, match="--finetune=: give one of lora, full"):
+        configurator.one_of({"finetune": ""}, "finetune", ("lora", "full"))
+    assert configurator.configure(dict(train_ar.config), ["--out_dir=runs.py"])["out_dir"] == "runs.py"  # a flag, not a file
+    if not torch.cuda.is_available():  # a device the machine lacks is refused, with or without an index
+        for name in ("cuda", "cuda:0"):
+            with pytest.raises(SystemExit, match="this machine or PyTorch build has no such device"):
+                configurator.pick_device(name)
+    for bad in ("epochs = 2 + 1\n", "import os\n", "nope = 1\n", "epochs = 'x'\n", "epochs = True\n", "epochs = lr = 1\n"):
         path.write_text(bad)
         with pytest.raises(SystemExit, match="error"):
             configurator.configure(dict(train_ar.config), [str(path)])
