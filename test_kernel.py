@@ -109,11 +109,9 @@ def test_kernel_segments_match_float64(programs, min_segment, segments, fused, m
 @pytest.mark.parametrize("N,programs,segments", [(4, 96, (8, 1)), (512, 96, (13, 40)), (512, 4096, (512, 1)),
                                                   (512, 8192, (512, 1))])
 def test_segments_at_the_defaults(N, programs, segments):
-    """kernel._segments at STATE_PROGRAMS = 4096 and MIN_SEGMENT = 8, by hand. Hedgehog's Fig. 6 shape (B H = 12,
-    F = 128 and Dv = 64 in 4 x 2 tiles: 96 programs a segment) asks for 4096 // 96 = 42 segments: 256 tokens
-    (4 chunks) are one segment of at least 8 chunks; 32K tokens (512 chunks) are 40 segments of
-    ceil(512 / 42) = 13. A segment that alone fills the 4096 programs, or more than fills them, is the whole
-    sequence (not a division by zero)."""
+    """kernel._segments at STATE_PROGRAMS = 4096, MIN_SEGMENT = 8, by hand. Fig. 6's shape (B H = 12, F = 128, Dv = 64: 96
+    programs a segment) asks for 4096 // 96 = 42 segments: 256 tokens are one of at least 8 chunks, 32K (512 chunks)
+    40 of ceil(512 / 42) = 13. A segment of 4096 programs or more is the whole sequence (no division by zero)."""
     assert (kernel.STATE_PROGRAMS, kernel.MIN_SEGMENT) == (4096, 8)
     assert kernel._segments(N, programs) == segments
 
@@ -359,10 +357,8 @@ def test_auto_backend_covers_the_build_checked_sizes():
 def test_which_forward_is_fused_and_which_triton_is_new_enough():
     """The fused forward takes bfloat16 features up to FUSED_MAX_F = 128, Hedgehog's F at D = 64, and no closed
     form; the kernels take triton 3.6 and later, 3.10 after 3.9 (numbers, not strings)."""
-    assert kernel.FUSED_MAX_F == 128
-    assert kernel._is_fused(128, torch.bfloat16, None) and kernel._is_fused(1, torch.bfloat16, None)
-    assert not kernel._is_fused(129, torch.bfloat16, None)
-    assert not kernel._is_fused(128, torch.float32, None) and not kernel._is_fused(128, torch.float16, None)
+    assert kernel.FUSED_MAX_F == 128 and kernel._is_fused(128, torch.bfloat16, None) and kernel._is_fused(1, torch.bfloat16, None)
+    assert not any(kernel._is_fused(F_, dt, None) for F_, dt in ((129, torch.bfloat16), (128, torch.float32), (128, torch.float16)))
     assert not kernel._is_fused(45, torch.bfloat16, (None,) * 5)  # Taylor at D = 8 with its closed form
     assert all(kernel.new_enough(v) for v in ("3.6.0", "3.9.0", "3.10.1", "4.0"))
     assert not any(kernel.new_enough(v) for v in ("3.5.1", "2.1.0", "3.1"))
