@@ -138,7 +138,8 @@ def test_decode_benchmark_smoke(tmp_path):
         assert layer["hedgehog", T]["state_bytes"] == 2 * 16 * (8 + 1) * 4  # F = 2D = 16
         assert layer["swa", T]["state_bytes"] == 2 * 2 * 16 * 8 * 4
         assert layer["lolcats", T]["state_bytes"] == (2 * 2 * 16 * 8 + 2 * 16 * 16 + 2 * 16 * (8 + 1)) * 4
-    assert all(r["ms_per_token"] > 0 and r["device"] == "cpu (1 thread)" for r in result["records"])  # --threads=1
+    assert all(r["ms_per_token"] > 0 for r in result["records"])
+    assert torch.cuda.is_available() or {r["device"] for r in result["records"]} <= {"cpu (1 thread)", "mps (1 thread)"}  # --threads=1
     growth = {name: result["summary"][name]["state_growth"] for name in result["summary"]}
     assert growth == {"softmax": 4, "hedgehog": 1, "swa": 1, "lolcats": 1}  # from 64 to 256 tokens, window 16
     assert {r["part"] for r in result["records"]} == {"layer"}  # no checkpoints here: part 2 is skipped
