@@ -1,19 +1,21 @@
 """
 The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways, the GPU
 report's bookkeeping on tiny sizes, its crossovers, fla's layout through a stand-in, a report stopped
-part-way) and decode.py (its cache sizes, and its timing and summary from scripted clocks).
+part-way, its split of our forward into passes), decode.py (its cache sizes, and its timing and summary from
+scripted clocks) and sweep_kernel.py (each launch setting run as it records it, in the Triton interpreter).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_bench.py
 """
 import json
 
-from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import DEV, needs_triton, run_script  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
 
 import bench_kernel
 import decode
+import kernel
 from attention import MultiHeadAttention
 
 
@@ -170,3 +172,61 @@ def test_decode_summary_and_timing_by_hand(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "memory_bytes", lambda dev: 2 ** 30)
     with pytest.raises(SystemExit, match=r"at 4194305 tokens needs 1.0 GiB, more than the 1.0 GiB"):
         decode.main(dict(cfg, contexts=str(2 ** 22 + 1)))  # 16 H D = 256 bytes a token: one over 1 GiB
+
+
+@needs_triton
+def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
+    """sweep_kernel.py at tiny sizes in the interpreter: one row per setting, each run with
+    the settings it records (seen from inside kernel._segments, and for the fused forward's segment sums
+    alone from inside the sweep's call of them) and checked against the defaults' result; the defaults are
+    back afterwards."""
+    import sweep_kernel
+    seen, segments = [], kernel._segments
+
+    def spy(N, programs):  # called by kernel._states and the fused forward after they have read their settings
+        cfg = kernel._configs(32, 16)
+        seen.append((kernel.STATE_PROGRAMS, cfg["states"]["BK"], cfg["states"]["BV"], cfg["fused"]["BV"],
+                     kernel.FUSED_MAX_F, kernel.MIN_SEGMENT, cfg["fused"]["C"]))
+        return segments(N, programs)
+    monkeypatch.setattr(kernel, "_segments", spy)
+    seen_sums, fused_sums = [], sweep_kernel._fused_sums
+
+    def spy_sums(*args):  # the sweep's rows of the fused forward's segment sums
+        cfg = kernel._configs(32, 16)["states"]
+        seen_sums.append((kernel.STATE_PROGRAMS, cfg["BK"], cfg["BV"]))
+        return fused_sums(*args)
+    monkeypatch.setattr(sweep_kernel, "_fused_sums", spy_sums)
+    defaults = kernel._configs
+    cfg = dict(shape="1x2x16", lengths="650", tiles="32,64", warps="4", stages="2", programs="8,4096",
+               min_segments="2,8", chunks="64,32", repeats=1, out=str(tmp_path / "s.json"))
+    rows = sweep_kernel.sweep(cfg)
+    assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096 and kernel.MIN_SEGMENT == 8
+    states, sums = ([r for r in rows if r["kernel"] == name] for name in ("states", "sums"))
+    fused = [r for r in rows if r["kernel"] == "fused"]
+    assert len(states) == len(sums) == 8 and len(fused) == 16 and len([r for r in rows if r["kernel"] == "output"]) == 4
+    assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= {x[:3] for x in seen} and len(set(seen)) >= 8
+    assert {(r["programs"], r["BK"], r["BV"]) for r in sums} == set(seen_sums)  # the segments' sums alone
+    assert {(r["programs"], r["BV"], r["min_segment"], r["C"]) for r in fused} <= {(x[0], x[3], x[5], x[6]) for x in seen}
+    assert {x[4] for x in seen} == {0, 128} and kernel.FUSED_MAX_F == 128  # the output kernel's rows ran unfused
+    # against the defaults: forwards to float32 rounding; pass 1's states are stored in bf16 (the sweep's
+    # dtype), where a sum in another order can round an element one bf16 ulp the other way; a fused forward in
+    # chunks of 32 rounds the state for its dots at other tokens than in chunks of 64
+    bf16_rounding = lambda r: r["kernel"] == "states" or r.get("C") == 32
+    assert all(r["rel_error"] < (1e-2 if bf16_rounding(r) else 1e-5) and r["ms"] > 0 for r in rows)
+    assert json.load(open(tmp_path / "s.json"))["rows"] == rows
+    # 64 tokens, one chunk: the fused forward is one segment, with no sums to time (no row for them)
+    one = dict(cfg, lengths="64", tiles="32", programs="4096", min_segments="8", chunks="64")
+    assert [(r["kernel"], "ms" in r) for r in sweep_kernel.sweep(one)] == [("fused", True), ("states", True), ("output", True)]
+
+
+@needs_triton
+@pytest.mark.parametrize("F,keys", [(32, {"ours_pass1_ms", "ours_unfused_fwd_ms"}), (300, {"ours_pass1_ms"})])
+def test_kernel_report_times_the_passes(F, keys):
+    """The device report's split of our forward (bench_kernel._passes) in the interpreter, bf16: the
+    segments' sums and the unfused forward where F is fused, pass 1 where it is not; the setting is back
+    afterwards."""
+    import bench_kernel
+    qf, kf, v = (torch.rand(1, 2, 200, d, device=DEV, dtype=torch.bfloat16) for d in (F, F, 16))
+    ours = (lambda a, b, c: kernel.causal_linear_attention(a, b, c, backend="triton"), (qf, kf, v))
+    out = bench_kernel._passes(qf, kf, v, ours, repeats=1)
+    assert set(out) == keys and all(x > 0 for x in out.values()) and kernel.FUSED_MAX_F == 128

@@ -1,15 +1,10 @@
 """
-The tests of kernel.py and build_check.py: the chunked fallback and the Triton kernels against float64
-at odd sizes and in every dtype, forward and gradients; pass 1's segments and the fused forward; the
-polynomial maps' closed form in the tiles; the bf16 dots; sweep_kernel.py; bench_kernel's passes; the build
-check for sm_80 and sm_90; what backend="auto" trusts. The Triton kernels run in Triton's CPU
-interpreter here (test_all.py sets TRITON_INTERPRET before triton is imported; it is imported first
-below) and on the GPU on a CUDA machine.
+The tests of kernel.py: the chunked fallback and the Triton kernels against float64 at odd sizes and in
+every dtype, forward and gradients; pass 1's segments and the fused forward; the polynomial maps' closed
+form in the tiles; the bf16 dots; what backend="auto" trusts (the build check itself: test_build_check.py).
+The Triton kernels run in Triton's CPU interpreter here (test_all.py sets TRITON_INTERPRET before triton is
+imported; it is imported first below) and on the GPU on a CUDA machine.
 """
-import json
-import math
-import os
-
 from test_all import DEV, POLYNOMIAL, make_map, needs_triton, qkv, run_script  # first: sets TRITON_INTERPRET
 
 import pytest
@@ -209,132 +204,6 @@ def test_kernel_fused_chunk_is_a_setting(BV, monkeypatch):
     unfused = kernel._triton_forward(qf, kf, v, kernel.EPS)
     for a, b in zip(fused, unfused):  # y, den
         assert torch.equal(a, b)
-
-
-@needs_triton
-def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
-    """sweep_kernel.py at tiny sizes in the interpreter: one row per setting, each run with
-    the settings it records (seen from inside kernel._segments, and for the fused forward's segment sums
-    alone from inside the sweep's call of them) and checked against the defaults' result; the defaults are
-    back afterwards."""
-    import sweep_kernel
-    seen, segments = [], kernel._segments
-
-    def spy(N, programs):  # called by kernel._states and the fused forward after they have read their settings
-        cfg = kernel._configs(32, 16)
-        seen.append((kernel.STATE_PROGRAMS, cfg["states"]["BK"], cfg["states"]["BV"], cfg["fused"]["BV"],
-                     kernel.FUSED_MAX_F, kernel.MIN_SEGMENT, cfg["fused"]["C"]))
-        return segments(N, programs)
-    monkeypatch.setattr(kernel, "_segments", spy)
-    seen_sums, fused_sums = [], sweep_kernel._fused_sums
-
-    def spy_sums(*args):  # the sweep's rows of the fused forward's segment sums
-        cfg = kernel._configs(32, 16)["states"]
-        seen_sums.append((kernel.STATE_PROGRAMS, cfg["BK"], cfg["BV"]))
-        return fused_sums(*args)
-    monkeypatch.setattr(sweep_kernel, "_fused_sums", spy_sums)
-    defaults = kernel._configs
-    cfg = dict(shape="1x2x16", lengths="650", tiles="32,64", warps="4", stages="2", programs="8,4096",
-               min_segments="2,8", chunks="64,32", repeats=1, out=str(tmp_path / "s.json"))
-    rows = sweep_kernel.sweep(cfg)
-    assert kernel._configs is defaults and kernel.STATE_PROGRAMS == 4096 and kernel.MIN_SEGMENT == 8
-    states, sums = ([r for r in rows if r["kernel"] == name] for name in ("states", "sums"))
-    fused = [r for r in rows if r["kernel"] == "fused"]
-    assert len(states) == len(sums) == 8 and len(fused) == 16 and len([r for r in rows if r["kernel"] == "output"]) == 4
-    assert {(r["programs"], r["BK"], r["BV"]) for r in states} <= {x[:3] for x in seen} and len(set(seen)) >= 8
-    assert {(r["programs"], r["BK"], r["BV"]) for r in sums} == set(seen_sums)  # the segments' sums alone
-    assert {(r["programs"], r["BV"], r["min_segment"], r["C"]) for r in fused} <= {(x[0], x[3], x[5], x[6]) for x in seen}
-    assert {x[4] for x in seen} == {0, 128} and kernel.FUSED_MAX_F == 128  # the output kernel's rows ran unfused
-    # against the defaults: forwards to float32 rounding; pass 1's states are stored in bf16 (the sweep's
-    # dtype), where a sum in another order can round an element one bf16 ulp the other way; a fused forward in
-    # chunks of 32 rounds the state for its dots at other tokens than in chunks of 64
-    bf16_rounding = lambda r: r["kernel"] == "states" or r.get("C") == 32
-    assert all(r["rel_error"] < (1e-2 if bf16_rounding(r) else 1e-5) and r["ms"] > 0 for r in rows)
-    assert json.load(open(tmp_path / "s.json"))["rows"] == rows
-    # 64 tokens, one chunk: the fused forward is one segment, with no sums to time (no row for them)
-    one = dict(cfg, lengths="64", tiles="32", programs="4096", min_segments="8", chunks="64")
-    assert [(r["kernel"], "ms" in r) for r in sweep_kernel.sweep(one)] == [("fused", True), ("states", True), ("output", True)]
-
-
-@needs_triton
-@pytest.mark.parametrize("F,keys", [(32, {"ours_pass1_ms", "ours_unfused_fwd_ms"}), (300, {"ours_pass1_ms"})])
-def test_kernel_report_times_the_passes(F, keys):
-    """The device report's split of our forward (bench_kernel._passes) in the interpreter, bf16: the
-    segments' sums and the unfused forward where F is fused, pass 1 where it is not; the setting is back
-    afterwards."""
-    import bench_kernel
-    qf, kf, v = (torch.rand(1, 2, 200, d, device=DEV, dtype=torch.bfloat16) for d in (F, F, 16))
-    ours = (lambda a, b, c: kernel.causal_linear_attention(a, b, c, backend="triton"), (qf, kf, v))
-    out = bench_kernel._passes(qf, kf, v, ours, repeats=1)
-    assert set(out) == keys and all(x > 0 for x in out.values()) and kernel.FUSED_MAX_F == 128
-
-
-def _has_nvidia_backend():
-    try:
-        import triton
-        from triton.backends import backends
-        return "nvidia" in backends and os.path.exists(triton.knobs.nvidia.cuobjdump.path)
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="triton with its NVIDIA backend (ptxas, cuobjdump) is not installed")
-def test_triton_build_check_fits_a100_and_h100(tmp_path):
-    """Every launch the Triton path makes, compiled ahead of time for sm_80 and sm_90 (no GPU needed):
-    within the shared memory per block, no register spills. A launch over the limit fails on the GPU
-    with an out-of-resources error; spills make it slow. About a minute on 2 CPU cores (fewer when cached)."""
-    out = run_script("build_check.py", f"--out={tmp_path / 'build_check.json'}")  # compiles without the interpreter
-    assert "launches fit in shared memory and do not spill" in out
-    rows = json.load(open(tmp_path / "build_check.json"))
-    assert {(r["F"], r["Dv"]) for r in rows} == {(f, d) for f in kernel.BUILD_F for d in kernel.BUILD_DV}
-    assert {r["kernel"] for r in rows} == {"states", "fused", "output", "dqk", "dv", "dsquares"}
-    assert {r["arch"] for r in rows} == {80, 90}
-    assert {(r["D"], r["SQ"]) for r in rows if r["SQ"]} == set(kernel.BUILD_SQUARES)
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, bad[:5]
-    assert all(r["shared"] > 0 and 0 < r["regs"] <= 255 for r in rows)  # the numbers were really read
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype,D,SQ", [(torch.bfloat16, 0, 0), (torch.float32, 0, 0), (torch.float32, 8, 2)])
-def test_build_check_records_every_launch_and_its_programs(dtype, D, SQ):
-    """build_check's recorded launches (one head, 4K tokens, 8 segments) in order: a forward (y in float32, for
-    the backward: fused for bf16), a backward (pass 1 forwards and backwards, each segment sums then walk, then
-    the gradient kernels), a forward without a backward (y in the inputs' dtype), and where the forward is fused,
-    both forwards unfused too. build_check.programs, the table's last column, against each launch's grid."""
-    import build_check
-    F_, Dv, T = (1 + D + D * (D + 1) // 2 if SQ else 64), 64, 4096
-    log = build_check.recorded_launches(F_, Dv, T, dtype, D, SQ)
-    seq = []
-    for fn, grid, args, meta in log:
-        name = fn.fn.__name__.strip("_").removesuffix("_kernel")
-        assert build_check.programs(name, F_, Dv, 1, T) == math.prod(grid), (name, grid)
-        y_bf16 = name in ("output", "fused") and args[5].dtype == torch.bfloat16  # (q, k, v, S, z, y, ...)
-        seq.append(("walk" if meta["WALK"] else "sums") if name == "states" else name + "/bf16" * y_bf16)
-    backward = "sums walk sums walk dqk dv" + " dsquares" * bool(SQ)
-    forwards = ("sums fused", "sums fused/bf16 sums walk output sums walk output/bf16") if dtype == torch.bfloat16 \
-        else ("sums walk output", "sums walk output")
-    assert " ".join(seq) == f"{forwards[0]} {backward} {forwards[1]}"
-    assert kernel.FUSED_MAX_F == 128 and not any(isinstance(getattr(kernel, n), build_check.Recorder) for n in build_check.KERNELS)
-
-
-@needs_triton
-def test_build_check_fails_a_launch_over_shared_memory_or_with_spills(monkeypatch):
-    """The check's verdict on the compiler's numbers, scripted here: a launch fits at exactly its arch's shared
-    memory per block, not one byte over, and not with a stack frame (spilled registers)."""
-    import build_check
-    monkeypatch.setattr(kernel, "BUILD_F", (16,))
-    monkeypatch.setattr(kernel, "BUILD_DV", (8,))
-    monkeypatch.setattr(kernel, "BUILD_SQUARES", ())
-    over = {"_output_kernel": (1, 0), "_dqk_kernel": (0, 8)}  # (bytes over the limit, stack bytes)
-
-    def compiled(fn, args, meta, arch):
-        extra, stack = over.get(fn.fn.__name__, (0, 0))
-        return build_check.SHARED_PER_BLOCK[arch] + extra, 40, stack
-    monkeypatch.setattr(build_check, "compile_launch", compiled)
-    rows = build_check.build_check(verbose=False)
-    assert {r["kernel"] for r in rows} >= {"states", "output", "dqk", "dv"} and {r["arch"] for r in rows} == {80, 90}
-    assert all(r["ok"] == (r["kernel"] not in ("output", "dqk")) for r in rows)
 
 
 def test_auto_backend_covers_the_build_checked_sizes():

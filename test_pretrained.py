@@ -5,6 +5,7 @@ skip with the reason when those are missing:
 Our loaders are checked against independent computations: transformers' own BertModel / GPT2LMHeadModel
 on the same weights, and softmax attention recomputed by hand from the raw safetensors tensors.
 """
+import copy
 import importlib.util
 import json
 import logging
@@ -256,25 +257,31 @@ def test_oal_budget_pieces_by_hand():
         {"kind": "random", "G": 2, "rel_mse": 5.0, "rel_mse_out": 3.5, "skewed_head": 9.0, "heads_below_one_group": 1}]
 
 
+def _spy_on_windows(tmp_path, monkeypatch):
+    """A text file of numbered sentences, and a list of every pretrained.windows call as (n, T, ids, the
+    windows drawn), filled as a script draws them: the text's two parts, (train ids, held-out ids)."""
+    text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
+    (tmp_path / "t.txt").write_text(text)
+    drawn, real = [], pretrained.windows
+    monkeypatch.setattr(pretrained, "windows", lambda ids, n, T, *a: drawn.append((n, T, ids.tolist(), real(ids, n, T, *a)))
+                        or drawn[-1][3])
+    encode, cut = pretrained.load("minilm")[1], int(0.8 * len(text))
+    return str(tmp_path / "t.txt"), drawn, (encode(text[:cut]), encode(text[cut:]))
+
+
 @needs_minilm
 def test_oal_budget_draws_calibration_and_validation_from_the_first_80_percent(tmp_path, monkeypatch):
     """Calibration and best-checkpoint windows come from the text's first 80%, test windows from the rest;
     every grouping is scored on the test window, and each head's top-10% share is that of its contribution
     averaged over the calibration windows."""
-    text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
-    (tmp_path / "t.txt").write_text(text)
-    drawn, windows, real = [], [], pretrained.windows
-    monkeypatch.setattr(pretrained, "windows", lambda ids, n, *a: drawn.append((n, ids.tolist())) or
-                        windows.append(real(ids, n, *a)) or windows[-1])
+    text, drawn, (train, held_out) = _spy_on_windows(tmp_path, monkeypatch)
     scored, score = [], distill.output_rel_mse
     monkeypatch.setattr(distill, "output_rel_mse", lambda attn, fmap, q, *a: scored.append(len(q)) or score(attn, fmap, q, *a))
-    oal_budget.main(dict(oal_budget.config, text=str(tmp_path / "t.txt"), layers="0", budgets="1", steps=0, calib=3,
-                         test=1, val=2, seq_len=16, out=str(tmp_path / "b.json")))
-    net, encode, _ = pretrained.load("minilm")
-    cut = int(0.8 * len(text))
-    assert drawn == [(3, encode(text[:cut])), (1, encode(text[cut:])), (2, encode(text[:cut]))]
+    oal_budget.main(dict(oal_budget.config, text=text, layers="0", budgets="1", steps=0, calib=3, test=1, val=2,
+                         seq_len=16, out=str(tmp_path / "b.json")))
+    assert [d[:3] for d in drawn] == [(3, 16, train), (1, 16, held_out), (2, 16, train)]
     assert scored and set(scored) == {1}  # the one test window
-    q, k, _ = distill.layer_qkv(net, windows[0], [0])[0]
+    q, k, _ = distill.layer_qkv(pretrained.load("minilm")[0], drawn[0][3], [0])[0]
     share = top_share(contribution_scores(q, k, causal=False).mean(0)).tolist()
     assert all(r["top_share"] == pytest.approx(share) for r in json.load(open(tmp_path / "b.json"))["rows"])
 
@@ -284,20 +291,14 @@ def test_fidelity_draws_its_windows_and_converts_every_and_the_middle_layers(tmp
     """Calibration and best-checkpoint windows from the text's first 80%, held-out ones from the rest (one
     draw per length); OAL grouped on the calibration windows; the conversion swaps all 6 layers, then the
     middle ones, 1-4."""
-    text = " ".join(f"Sentence number {i} of a text that is long enough." for i in range(200))
-    (tmp_path / "t.txt").write_text(text)
-    drawn, real = [], pretrained.windows
-    monkeypatch.setattr(pretrained, "windows", lambda ids, n, T, *a: drawn.append((n, T, ids.tolist())) or real(ids, n, T, *a))
+    text, drawn, (train, held_out) = _spy_on_windows(tmp_path, monkeypatch)
     swapped, convert = [], fidelity.conversion
     monkeypatch.setattr(fidelity, "conversion", lambda m, s, names, ids, *a: swapped.append(ids) or convert(m, s, names, ids, *a))
     grouped, group = [], fm.OAL.set_groups_from
     monkeypatch.setattr(fm.OAL, "set_groups_from", lambda self, q, *a: grouped.append(len(q)) or group(self, q, *a))
-    fidelity.main(dict(fidelity.config, text=str(tmp_path / "t.txt"), maps="elu,oal", convert_maps="elu", steps=0, calib=3,
-                       val=2, test=1, seq_len=16, lengths="32", sentences=2, plots=False, results=str(tmp_path / "f.json")))
-    encode = pretrained.load("minilm")[1]
-    cut = int(0.8 * len(text))
-    train, held_out = encode(text[:cut]), encode(text[cut:])
-    assert drawn == [(3, 16, train), (1, 16, held_out), (1, 32, held_out), (2, 16, train)]
+    fidelity.main(dict(fidelity.config, text=text, maps="elu,oal", convert_maps="elu", steps=0, calib=3, val=2, test=1,
+                       seq_len=16, lengths="32", sentences=2, plots=False, results=str(tmp_path / "f.json")))
+    assert [d[:3] for d in drawn] == [(3, 16, train), (1, 16, held_out), (1, 32, held_out), (2, 16, train)]
     assert swapped == [[0, 1, 2, 3, 4, 5], [1, 2, 3, 4]] and grouped == [3] * 6  # the 3 calibration windows
 
 
@@ -306,19 +307,14 @@ def test_fidelity_conversion_and_report_by_hand():
     against the original's, and the report's means over layers, on numbers written out here."""
     torch.manual_seed(0)
     model = pretrained.Bert(vocab_size=30, max_len=16, n_layer=2, n_head=2, d_model=16, d_ff=32).eval()
-    students = {"elu": {}}
-    for i in (0, 1):
-        students["elu"][i] = MultiHeadAttention(16, 2, "elu", causal=False, bias=True)
-        students["elu"][i].load_state_dict(model.blocks[i].attn.state_dict())
-    sentences = [torch.randint(0, 30, (1, T)) for T in (4, 7, 11)]
-    out = fidelity.conversion(model, students, ["elu"], [0, 1], sentences, None)
-    swapped = pretrained.Bert(vocab_size=30, max_len=16, n_layer=2, n_head=2, d_model=16, d_ff=32).eval()
-    swapped.load_state_dict(model.state_dict())
+    swapped = copy.deepcopy(model)
     for block in swapped.blocks:
         block.attn.use("elu")
+    sentences = [torch.randint(0, 30, (1, T)) for T in (4, 7, 11)]
+    out = fidelity.conversion(model, {"elu": {i: b.attn for i, b in enumerate(swapped.blocks)}}, ["elu"], [0, 1], sentences, None)
     with torch.no_grad():
         cos = [(model.sentence_embedding(s) * swapped.sentence_embedding(s)).sum().item() for s in sentences]
-    assert max(cos) - min(cos) > 1e-3 and out["original"] == {"cosine": 1.0}
+    assert max(cos) - min(cos) > 1e-4 and out["original"] == {"cosine": 1.0}  # mean, min and max apart, beyond approx's 1e-6
     assert out["elu"] == pytest.approx({"cosine": sum(cos) / 3, "cosine_min": min(cos)})
 
     keys = ("kl", "rel_mse", "rel_mse_out", "entropy", "monotonicity")
