@@ -11,12 +11,14 @@ import json
 import math
 import os
 import re
+import sys
 
 from test_all import HERE, run_script  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
 
+import configurator
 import gpt
 import train_ar
 import train_gpt
@@ -289,6 +291,15 @@ def test_help_gives_each_setting_its_note():
     assert "\n  --save_models=False             after every epoch, each run's model and training state to out_dir" in out
     assert "\n  --n_layer=2\n" in out and "---" not in out
     assert "\n  --shapes=1x12x64,8x32x128       report: B x H x D\n" in run_script("bench_kernel.py", "--help")
+
+
+def test_help_takes_notes_from_the_config_block_not_from_indented_lines(tmp_path, monkeypatch, capsys):
+    """A name assigned inside a function or a loop, before the config block, is not the setting."""
+    script = tmp_path / "script.py"
+    script.write_text("def f():\n    lr = 1  # a local\n\n\nlr = 3e-4  # the rate\nsteps = 9\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    configurator.print_help({"lr": 3e-4, "steps": 9})
+    assert capsys.readouterr().out.splitlines()[1:] == [f"{'  --lr=0.0003':32}  the rate", "  --steps=9"]
 
 @needs_tokenizer
 @pytest.mark.parametrize("content,message", [(b"\x00\xff\xfe binary", "not UTF-8 text"), (b"", "is empty"),
