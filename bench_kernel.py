@@ -4,7 +4,6 @@ one layer, 12 heads, head dim 64; a GPU runs Hedgehog's F = 128 in bf16, a CPU a
 
     python bench_kernel.py                              # check, then benchmark; results/kernel.json and .png
     python bench_kernel.py --lengths=1024,4096 --threads=2
-    python bench_kernel.py --report=true                # on a GPU: the device report, results/kernel_<gpu>.json
     python bench_kernel.py --closed_form=true --threads=2   # the polynomial maps' closed form, results/closed_form.json
 
 The check runs every backend that can run here (the PyTorch fallback; Triton on CUDA) against the O(T^2)
@@ -13,25 +12,8 @@ definition in float64, forward and gradients, float32 and bfloat16 inputs, and O
 forward and forward+backward of causal SDPA (FlashAttention on a GPU), the quadratic linear form, the
 chunked fallback and the Triton kernels, with peak memory on CUDA.
 
---report=true is the device report, one script for a GPU session (several minutes; --shapes and --families
-split it into parts, and it saves after every row, so a run stopped by a time limit keeps its rows): the check
-at every build-checked shape (--check=timed: only at the sizes timed, fewer kernels to compile), then
-forward and forward+backward times at 1K-32K tokens of our kernels against FlashAttention (SDPA
-restricted to it) and against flash-linear-attention's chunk_linear_attn (fla, imported only here;
-normalize=True, its normalisation a separate pass, timed as it is), for the shapes B x H x D of `shapes`
-(Hedgehog Fig. 6: 1 x 12 x 64; fla's benchmarks: 8 x 32 x 128) and each map family's feature size:
-Hedgehog F = 2D, 1+ELU F = D, Taylor and OAL F = 1 + D + D(D+1)/2, these two with their closed form
-in-tile (SQ = 2 and 6 terms; "ours_features" times the same without it). Sizes whose inputs and states
-would pass max_gib, or that are not build-checked, are recorded as skipped; a peer that refuses a size
-(fla's chunk kernel at F = 2145) is recorded with its error. On a GPU each row also has the time of our
-pass 1 alone (the chunk states, pass 2 the remainder; where the forward is fused, the segments' sums
-before the fused kernel), the unfused forward beside a fused one, and the forwards of FlashAttention,
-ours and fla replayed from a CUDA graph (the GPU's time without the CPU's kernel launches, which decide
-short sequences at batch 1). The forwards run under torch.no_grad, as inference does. Writes
-results/kernel_<gpu>.json (the rows, and per shape and family the crossover length against
-FlashAttention, eager and from CUDA graphs, and the speed-up at the longest length) and .png. On a CPU
-it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at tiny sizes). The
-kernels' launch settings are timed by sweep_kernel.py.
+The device report against FlashAttention and fla on a GPU is report_kernel.py; the kernels' launch
+settings are timed by sweep_kernel.py.
 """
 import json
 import os
@@ -40,10 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import kernel
-from configurator import at_least, choices, configure, integers, one_of, positive, pyplot, sizes, writable
+from configurator import at_least, configure, integers, pyplot, sizes, writable
 from feature_maps import make_feature_map
-from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
+from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention
 
 
 def reference(qf, kf, v, eps=1e-6):
@@ -126,59 +107,6 @@ def _time(fn, repeats):
     return min(times[1:])
 
 
-def _one_line(e):
-    """An exception as one short line: a row records why a method did not run there."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
-def _device():
-    """("cuda" or "cpu", the GPU's name or "cpu", the dtype timed there: bfloat16 on a GPU, else float32)."""
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.get_device_name(), torch.bfloat16
-    return "cpu", "cpu", torch.float32
-
-
-def _out_path(given, stem, gpu):
-    """given, or results/<stem>_<the GPU's name as a file name>.json; its folder is made."""
-    out = given or f"results/{stem}_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    return out
-
-
-def _time_methods(row, methods, repeats):
-    """Each method's forward (under no_grad) and forward+backward, into row as name_fwd_ms, name_fwd_bwd_ms.
-    methods: name -> (fn, args). One that raises (a peer's kernel may refuse a size: fla at F = 2145) is
-    recorded as name_error, said, and dropped from methods."""
-    for name, (fn, args) in list(methods.items()):
-        ins = [x.detach().requires_grad_() for x in args]
-        try:
-            with torch.no_grad():
-                fwd = _time(lambda: fn(*ins), repeats)
-            both = _time(lambda: fn(*ins).sum().backward(), repeats)
-        except Exception as e:
-            row[f"{name}_error"] = _one_line(e)
-            print(f"{row['shape']} {row['family']:<8} T={row['T']:<6} {name}: {row[f'{name}_error']}")
-            del methods[name]
-            continue
-        row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = fwd * 1e3, both * 1e3
-
-
-def _graph_time(fn, args, repeats):
-    """Best of `repeats` replays of fn(*args), forward only, captured in a CUDA graph: the GPU's time
-    without the CPU's kernel launches (what torch.compile(mode="reduce-overhead") gives a model). fn has
-    run before (compiled, autotuned); one more call on a side stream precedes the capture, as
-    torch.cuda.graph asks."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        fn(*args)
-    return _time(graph.replay, repeats)
-
-
 def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, out):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
@@ -223,117 +151,6 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
     plot(rows, os.path.splitext(out)[0] + ".png")
 
 
-# map family -> (F at head dim D, SQ): the polynomial families run with their closed form (squares) in-tile
-FAMILIES = {"hedgehog": (lambda D: 2 * D, 0), "elu": (lambda D: D, 0),
-            "taylor": (lambda D: 1 + D + D * (D + 1) // 2, 2), "oal": (lambda D: 1 + D + D * (D + 1) // 2, 6)}
-PEAK_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35),  # memory bandwidth by GPU name
-            ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555))  # (NVIDIA's data sheets)
-
-
-def peak_bandwidth(cfg, gpu):
-    """TB/s for the memory bound: --bandwidth_tbs, else the first entry of PEAK_TBS in the GPU's name; None
-    (no bound) when neither says."""
-    return cfg["bandwidth_tbs"] or next((tbs for name, tbs in PEAK_TBS if name in gpu), None)
-
-
-def fla_linear_attention():
-    """flash-linear-attention's chunk_linear_attn, or None when fla is not installed."""
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn
-    except ImportError:
-        return None
-    return chunk_linear_attn
-
-
-def device_report(cfg):
-    """The GPU session's script: check against float64, then time ours, FlashAttention and fla."""
-    dev, gpu, dtype = _device()
-    out = _out_path(cfg["report_out"], "kernel", gpu)
-    t0 = time.time()
-    if dev == "cuda" and cfg["check"] == "all":
-        worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
-    elif dev == "cuda":  # "timed": the sizes the timings below use (fewer kernels to compile)
-        dims = sorted({D for _, _, D in sizes(cfg, "shapes", 3)})
-        fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
-        worst = check(dev, list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
-                      [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
-    else:
-        worst = check(dev, [(16, 8)], [(8, 6, 8)])
-    check_s = time.time() - t0  # on a GPU mostly Triton compiling each shape's kernels
-    print(f"check: {check_s:.0f} s")
-    fla = fla_linear_attention()  # its Triton kernels want CUDA: on a CPU it is timed as an error, if installed
-    if dev == "cuda" and fla is None:
-        print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
-    ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
-    tbs = peak_bandwidth(cfg, gpu)
-    print(f"memory bound at {tbs} TB/s" if tbs else f"no memory bound: give --bandwidth_tbs (TB/s) for {gpu}")
-
-    rows = []
-
-    def save(row):  # after every row, so that a run stopped by a time limit keeps what it measured
-        rows.append(row)
-        with open(out, "w") as f:
-            json.dump({"device": gpu, "bandwidth_tbs": tbs, "dtype": str(dtype), "torch": torch.__version__,
-                       "check_max_rel_error": worst, "check_seconds": check_s, "ours": ours, "fla": fla is not None,
-                       "crossovers": crossovers(rows), "rows": rows, "config": cfg}, f, indent=1)
-
-    for B, H, D in sizes(cfg, "shapes", 3):
-        shape = f"{B}x{H}x{D}"
-        for family in choices(cfg, "families", FAMILIES):
-            F_, SQ = FAMILIES[family][0](D), FAMILIES[family][1]
-            for T in integers(cfg, "lengths", 1):
-                row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, SQ=SQ, T=T)
-                gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 2 * 2) / 2 ** 30  # bf16 features, states (x2 backward)
-                if gib > cfg["max_gib"] or (ours == "triton" and not triton_covered(F_, D, D, SQ)):
-                    save(dict(row, skipped=f"{gib:.3g} GiB > max_gib" if gib > cfg["max_gib"] else "not build-checked"))
-                    print(f"{shape} {family:<8} T={T:<6} skipped: {rows[-1]['skipped']}")
-                    continue
-                q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype) for _ in range(3))
-                qf, kf = (torch.rand(B, H, T, F_, device=dev, dtype=dtype) for _ in range(2))
-                methods = {"flash": (flash, (q, k, v)),
-                           "ours": (lambda a, b, c: causal_linear_attention(a, b, c, backend=ours), (qf, kf, v))}
-                if SQ:  # timing only: the closed form's values need not match the random features here
-                    closed = (q, k, torch.rand(H, SQ, D, device=dev) / D, torch.rand(H, SQ, device=dev), torch.zeros(H, device=dev))
-                    methods["ours_features"] = methods["ours"]
-                    methods["ours"] = (lambda a, b, c: causal_linear_attention(a, b, c, backend=ours, squares=closed), (qf, kf, v))
-                if fla is not None:  # fla wants (B, T, H, K)
-                    methods["fla"] = (lambda a, b, c: fla(a, b, c, scale=1.0, normalize=True)[0],
-                                      tuple(x.transpose(1, 2).contiguous() for x in (qf, kf, v)))
-                _time_methods(row, methods, cfg["repeats"])
-                if "ours_fwd_ms" not in row or "flash_fwd_ms" not in row:
-                    save(row)
-                    continue
-                row["speedup_vs_flash_fwd"] = row["flash_fwd_ms"] / row["ours_fwd_ms"]
-                if dev == "cuda":  # the forward without launch overhead: where short sequences stand on the GPU alone
-                    for name in [m for m in ("flash", "ours", "fla") if m in methods]:
-                        try:
-                            row[f"{name}_graph_fwd_ms"] = _graph_time(*methods[name], cfg["repeats"]) * 1e3
-                        except Exception as e:
-                            row[f"{name}_graph_error"] = _one_line(e)
-                    if "ours_graph_fwd_ms" in row and "flash_graph_fwd_ms" in row:
-                        row["graph_speedup_vs_flash_fwd"] = row["flash_graph_fwd_ms"] / row["ours_graph_fwd_ms"]
-                if ours == "triton":  # where the forward's time goes: pass 1 (the chunk states), pass 2
-                    row.update(_passes(qf, kf, v, methods["ours"], cfg["repeats"], closed_form=SQ > 0))
-                if tbs:
-                    io = B * H * T * (2 * F_ + 2 * D) * q.element_size()  # qf, kf, v in; y out (v's dtype, no_grad)
-                    row["memory_bound_ms"] = io / (tbs * 1e12) * 1e3  # reading and writing them once
-                    row["ours_vs_memory_bound"] = row["ours_fwd_ms"] / row["memory_bound_ms"]
-                if "fla_fwd_ms" in row:
-                    row["ours_vs_fla_fwd"] = row["ours_fwd_ms"] / row["fla_fwd_ms"]
-                save(row)
-                print(f"{shape} {family:<8} T={T:<6} F={F_:<5} " + "  ".join(
-                    f"{m} {row[m + '_fwd_ms']:.3f} / {row[m + '_fwd_bwd_ms']:.3f} ms" for m in methods)
-                    + (f"  (ours: pass 1 {row['ours_pass1_ms']:.3f} ms)" if "ours_pass1_ms" in row else "")
-                    + (f"  (ours unfused {row['ours_unfused_fwd_ms']:.3f} ms)" if "ours_unfused_fwd_ms" in row else "")
-                    + "".join(f"  {m} graphed {row[m + '_graph_fwd_ms']:.3f}" for m in methods if m + "_graph_fwd_ms" in row), flush=True)
-    for name, entry in crossovers(rows).items():
-        print(f"{name}: crossover at {entry.get('crossover_T')} tokens (CUDA graphs: {entry.get('graph_crossover_T')}), "
-              f"{entry['speedup_at_longest']:.1f}x FlashAttention at {entry['longest_T']}")
-    print(f"saved {out}")
-    plot_report(rows, os.path.splitext(out)[0] + ".png")
-    return rows
-
-
 def closed_form(cfg):
     """What the polynomial maps' closed form (FeatureMap.squares) buys here, forward + backward: the O(T^2)
     kernel matrix (fmap.scores, used by the distillation losses) from the closed form against the product
@@ -371,76 +188,6 @@ def closed_form(cfg):
     print(f"saved {out}")
 
 
-def _passes(qf, kf, v, ours, repeats, closed_form=False):
-    """Where our Triton forward's time goes (B, H, T, . inputs; ours: the timed forward, (fn, args)):
-    pass 1 alone, the chunk states, or where the forward is fused (bf16, F <= kernel.FUSED_MAX_F, no
-    closed form), what comes before the fused kernel, the segments' sums; and for a fused forward, the
-    same forward unfused (pass 1 then pass 2), to compare the two designs."""
-    B, H, T, F_ = qf.shape
-    k, v3 = (x.reshape(B * H, T, -1) for x in (kf, v))
-    out = {}
-    fused_max_f = kernel.FUSED_MAX_F
-    if kernel._is_fused(F_, qf.dtype, closed_form):
-        C, L, NS, _ = kernel._fused_segments(B * H, T, F_, v.shape[-1])
-        out["ours_pass1_ms"] = _time(lambda: kernel._segment_sums(k, v3, None, L, NS, False, C), repeats) * 1e3
-        try:
-            kernel.FUSED_MAX_F = 0
-            with torch.no_grad():  # as the forward above was timed
-                out["ours_unfused_fwd_ms"] = _time(lambda: ours[0](*ours[1]), repeats) * 1e3
-        finally:
-            kernel.FUSED_MAX_F = fused_max_f
-    else:
-        out["ours_pass1_ms"] = _time(lambda: kernel._states(k, v3, None, False), repeats) * 1e3
-    return out
-
-
-def crossovers(rows):
-    """Per shape and family of the report's rows: crossover_T, the shortest length from which our forward
-    is at least as fast as FlashAttention's at every length timed above it (None if none is), the same
-    from the CUDA-graph timings (graph_crossover_T, where they ran), and the speed-up at the longest
-    length. The paper's Fig. 6: a crossover near 2K and about 6x at 32K."""
-    out = {}
-    for shape, family in dict.fromkeys((r["shape"], r["family"]) for r in rows):
-        rs = sorted((r for r in rows if (r["shape"], r["family"]) == (shape, family) and "speedup_vs_flash_fwd" in r),
-                    key=lambda r: r["T"])
-        if not rs:
-            continue
-        entry = {}
-        for name, field in (("crossover_T", "speedup_vs_flash_fwd"), ("graph_crossover_T", "graph_speedup_vs_flash_fwd")):
-            timed = [r for r in rs if field in r]
-            if timed:
-                entry[name] = next((r["T"] for i, r in enumerate(timed) if all(x[field] >= 1 for x in timed[i:])), None)
-        entry.update(longest_T=rs[-1]["T"], speedup_at_longest=rs[-1]["speedup_vs_flash_fwd"])
-        out[f"{shape} {family}"] = entry
-    return out
-
-
-def plot_report(rows, path):
-    plt = pyplot()
-    if plt is None:
-        return
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        done = [r for r in rows if r["shape"] == shape and "skipped" not in r]
-        Ts = sorted({r["T"] for r in done})
-        if Ts:
-            ax.loglog(Ts, [next(r["flash_fwd_ms"] for r in done if r["T"] == T) for T in Ts], "k-o", label="FlashAttention")
-        for family in dict.fromkeys(r["family"] for r in done):
-            rs = [r for r in done if r["family"] == family]
-            rs = [r for r in rs if "ours_fwd_ms" in r]
-            ax.loglog([r["T"] for r in rs], [r["ours_fwd_ms"] for r in rs], "o-", label=f"ours, {family} (F={rs[0]['F']})")
-            if "ours_features_fwd_ms" in rs[0]:
-                ax.loglog([r["T"] for r in rs], [r["ours_features_fwd_ms"] for r in rs], ":", label=f"ours, {family}, scores from features")
-            if "fla_fwd_ms" in rs[0]:
-                ax.loglog([r["T"] for r in rs], [r["fla_fwd_ms"] for r in rs], "x--", label=f"fla, {family}")
-        ax.set(xlabel="tokens", ylabel="forward ms", title=f"B x H x D = {shape}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"figure: {path}")
-
-
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -470,30 +217,14 @@ if __name__ == "__main__":
         "repeats": 5,
         "quadratic_max": 16384 if gpu else 4096,  # longest T for the O(T^2) linear form
         "out": "results/kernel.json",
-        "report": False,  # the device report instead (see the docstring)
         "closed_form": False,  # the polynomial maps' closed form against their features instead (see closed_form)
         "closed_form_shapes": "16x4x128x32,1x12x2048x64",  # closed_form: B x H x T x D (scores timed at the first)
-        "shapes": "1x12x64,8x32x128",  # report: B x H x D
-        "families": "hedgehog,elu,taylor,oal",  # report: feature sizes 2D, D, 1 + D + D(D+1)/2 (the last two in-tile)
-        "max_gib": 40.0,  # report: skip sizes whose features and states would take more
-        "report_out": "",  # report: default results/kernel_<gpu>.json
-        "check": "all",  # report: float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
-        "bandwidth_tbs": 0.0,  # report: the GPU's memory bandwidth in TB/s for the memory bound; 0: from PEAK_TBS
     })
     at_least(cfg, 1, "heads", "dim", "features", "threads", "repeats")
-    positive(cfg, "max_gib")
-    at_least(cfg, 0, "bandwidth_tbs")
     writable(cfg, "out")
-    if cfg["report_out"]:  # else named after the GPU, in results/
-        writable(cfg, "report_out")
-    one_of(cfg, "check", ("all", "timed"))
-    choices(cfg, "families", FAMILIES)  # every list is checked here, before any work, whichever mode uses it
-    sizes(cfg, "shapes", 3)
-    sizes(cfg, "closed_form_shapes", 4)
+    sizes(cfg, "closed_form_shapes", 4)  # every list is checked here, before any work, whichever mode uses it
     integers(cfg, "lengths", 1)
-    if cfg["report"]:
-        device_report(cfg)
-    elif cfg["closed_form"]:
+    if cfg["closed_form"]:
         closed_form(cfg)
     else:
         benchmark(cfg["heads"], cfg["dim"], cfg["features"], integers(cfg, "lengths", 1), cfg["threads"],

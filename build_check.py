@@ -56,7 +56,7 @@ def recorded_launches(F_, Dv, T, dtype, D=0, SQ=0):
     """The kernel launches of one forward and one backward at these sizes (SQ > 0: with the closed-form
     scores on D dims), of one forward without a backward, and where the forward is fused (bfloat16, F
     within kernel.FUSED_MAX_F, no closed form), of the forwards not fused (pass 1 and pass 2, which
-    bench_kernel.py times too), recorded on meta tensors."""
+    report_kernel.py times too), recorded on meta tensors."""
     log, jitted, fused_max_f = [], {name: getattr(kernel, name) for name in KERNELS}, kernel.FUSED_MAX_F
     try:
         for name, fn in jitted.items():

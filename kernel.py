@@ -75,7 +75,8 @@ the bfloat16 dots emulated by rounding their operands, see _dot), and compiled f
 the build check. An NVIDIA H200 ran an earlier version (triton 3.6), checked against float64 at the sizes
 it timed; the fused forward and three smaller changes since have not run on a GPU (the README's "Still
 needs a GPU" lists them).
-`python bench_kernel.py` checks them against float64, then times them.
+`python bench_kernel.py` checks them against float64, then times them; `python report_kernel.py` on a GPU
+against FlashAttention and flash-linear-attention.
 """
 import functools
 import math

@@ -17,9 +17,10 @@ import json
 import torch
 
 import kernel
-from bench_kernel import _device, _one_line, _out_path, _time
+from bench_kernel import _time
 from configurator import at_least, configure, integers, sizes, writable
 from kernel import HAS_TRITON, INTERPRET
+from report_kernel import _device, _one_line, _out_path
 
 
 def _fused_sums(k, v, BH, T):

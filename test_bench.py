@@ -1,7 +1,7 @@
 """
-The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways, the GPU
-report's bookkeeping on tiny sizes, its crossovers, fla's layout through a stand-in, a report stopped
-part-way, its split of our forward into passes), decode.py (its cache sizes, and its timing and summary from
+The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways),
+report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's layout through a stand-in,
+a report stopped part-way, its split of our forward into passes), decode.py (its cache sizes, and its timing and summary from
 scripted clocks) and sweep_kernel.py (each launch setting run as it records it, in the Triton interpreter).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_bench.py
@@ -16,6 +16,7 @@ import torch
 import bench_kernel
 import decode
 import kernel
+import report_kernel
 from attention import MultiHeadAttention
 
 
@@ -45,13 +46,12 @@ def test_device_report_bookkeeping(tmp_path):
     """The GPU session's script at tiny sizes on the CPU: one row per shape, family and length, either
     skipped (here when over max_gib) or timed against SDPA, with the feature size of each family, and the
     polynomial families timed with their closed form and without."""
-    run_script("bench_kernel.py", "--report=true", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal",
-               "--lengths=64,96", "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8",
-               f"--report_out={tmp_path / 'r.json'}")
+    run_script("report_kernel.py", "--shapes=1x2x8,1x1x16", "--families=hedgehog,elu,taylor,oal",
+               "--lengths=64,96", "--repeats=1", "--max_gib=0.00005", "--bandwidth_tbs=4.8", f"--out={tmp_path / 'r.json'}")
     r = json.load(open(tmp_path / "r.json"))
     assert r["bandwidth_tbs"] == 4.8  # given; else from the GPU's name, and no memory bound for a GPU not in the table
     gpus = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "cpu")
-    assert [bench_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in gpus] == [3.35, 4.8, 2.0, 1.555, None]
+    assert [report_kernel.peak_bandwidth({"bandwidth_tbs": 0.0}, gpu) for gpu in gpus] == [3.35, 4.8, 2.0, 1.555, None]
     errors = r["check_max_rel_error"]
     assert set(errors) == {"torch, float32", "torch, bfloat16", "torch, float32, closed form"} and r["fla"] is False
     assert errors["torch, float32"] < 1e-5 and errors["torch, float32, closed form"] < 1e-5
@@ -81,7 +81,7 @@ def test_device_report_crossovers():
     rows = [row(1024, 0.4, 0.9), row(2048, 1.1, 1.5), row(4096, 0.9, 2.0), row(8192, 1.0, 3.0), row(32768, 4.9, 6.1),
             row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"),
             dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
-    c = bench_kernel.crossovers(rows)
+    c = report_kernel.crossovers(rows)
     assert c["1x12x64 hedgehog"] == dict(crossover_T=8192, graph_crossover_T=2048, longest_T=32768, speedup_at_longest=4.9)
     assert c["1x12x64 elu"] == dict(crossover_T=None, longest_T=32768, speedup_at_longest=0.8)  # no graph timings there
     assert "1x12x64 oal" not in c
@@ -96,10 +96,10 @@ def test_device_report_times_fla_on_its_layout(tmp_path, monkeypatch):
         seen.append((q.shape, k.shape, v.shape, scale, normalize))
         y = bench_kernel.reference(*(x.transpose(1, 2) for x in (q, k, v)))  # ours, computed on fla's layout
         return y.transpose(1, 2), None
-    monkeypatch.setattr(bench_kernel, "fla_linear_attention", lambda: fake_fla)
+    monkeypatch.setattr(report_kernel, "fla_linear_attention", lambda: fake_fla)
     cfg = dict(check="timed", shapes="1x2x8", families="elu", lengths="64", repeats=1, max_gib=40.0,
-               report_out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
-    row, = bench_kernel.device_report(cfg)
+               out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
+    row, = report_kernel.device_report(cfg)
     assert set(seen) == {((1, 64, 2, 8), (1, 64, 2, 8), (1, 64, 2, 8), 1.0, True)}
     assert row["ours_vs_fla_fwd"] == pytest.approx(row["ours_fwd_ms"] / row["fla_fwd_ms"]) and row["fla_fwd_bwd_ms"] > 0
     assert json.load(open(tmp_path / "r.json"))["fla"] is True
@@ -109,19 +109,19 @@ def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
     """A report stopped part-way (a time limit, Ctrl-C) has saved every row it finished: here the 7th
     timing raises, in the second row (the first takes flash's and ours' forward and forward+backward)."""
     calls = []
-    real = bench_kernel._time
+    real = report_kernel._time
 
     def timer(fn, repeats):
         calls.append(1)
         if len(calls) == 7:
             raise KeyboardInterrupt
         return real(fn, repeats)
-    monkeypatch.setattr(bench_kernel, "_time", timer)
+    monkeypatch.setattr(report_kernel, "_time", timer)
     out = tmp_path / "r.json"
     cfg = dict(check="timed", shapes="1x2x8", families="hedgehog", lengths="64,96,128", repeats=1, max_gib=40.0,
-               report_out=str(out), bandwidth_tbs=4.8)
+               out=str(out), bandwidth_tbs=4.8)
     with pytest.raises(KeyboardInterrupt):
-        bench_kernel.device_report(cfg)
+        report_kernel.device_report(cfg)
     rows = json.load(open(out))["rows"]
     assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
 
@@ -222,11 +222,10 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("F,keys", [(32, {"ours_pass1_ms", "ours_unfused_fwd_ms"}), (300, {"ours_pass1_ms"})])
 def test_kernel_report_times_the_passes(F, keys):
-    """The device report's split of our forward (bench_kernel._passes) in the interpreter, bf16: the
+    """The device report's split of our forward (report_kernel._passes) in the interpreter, bf16: the
     segments' sums and the unfused forward where F is fused, pass 1 where it is not; the setting is back
     afterwards."""
-    import bench_kernel
     qf, kf, v = (torch.rand(1, 2, 200, d, device=DEV, dtype=torch.bfloat16) for d in (F, F, 16))
     ours = (lambda a, b, c: kernel.causal_linear_attention(a, b, c, backend="triton"), (qf, kf, v))
-    out = bench_kernel._passes(qf, kf, v, ours, repeats=1)
+    out = report_kernel._passes(qf, kf, v, ours, repeats=1)
     assert set(out) == keys and all(x > 0 for x in out.values()) and kernel.FUSED_MAX_F == 128

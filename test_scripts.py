@@ -1,7 +1,8 @@
 """
 The scripts as a user runs them: the GPT and its conversion, tokenizer, checkpoints, resume, DDP, and
 one-line refusals of bad input (associative recall: test_ar.py; convert.py's parts: test_convert.py; the
-GPT model itself: test_gpt.py; the benchmarks, bench_kernel.py and decode.py: test_bench.py).
+GPT model itself: test_gpt.py; the benchmarks, bench_kernel.py, report_kernel.py, sweep_kernel.py and decode.py:
+test_bench.py).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_scripts.py
 """
@@ -212,8 +213,8 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("decode.py", ["--contexts=128,100000000000"], "softmax's KV cache at 100000000000 tokens needs"),  # was an OOM
     ("train_gpt.py", ["--min_lr=-1"], "--min_lr=-1.0 is out of range"),
     ("bench_kernel.py", ["--lengths=1k"], "not a comma-separated list of integers"),
-    ("bench_kernel.py", ["--report=true", "--families=hedgehog,foo"], "--families: unknown foo; valid: hedgehog"),
-    ("bench_kernel.py", ["--shapes=1x12"], "--shapes='1x12' is not a comma-separated list of sizes like 8x8x8"),
+    ("report_kernel.py", ["--families=hedgehog,foo"], "--families: unknown foo; valid: hedgehog"),
+    ("report_kernel.py", ["--shapes=1x12"], "--shapes='1x12' is not a comma-separated list of sizes like 8x8x8"),
     ("bench_kernel.py", ["--closed_form_shapes=1x2x0x4"], "--closed_form_shapes='1x2x0x4' is not a"),
     ("sweep_kernel.py", ["--tiles=32,big"], "--tiles='32,big' is not a comma-separated list of integers"),
     ("sweep_kernel.py", ["--shape=1x12x64,8x32x128"], "--shape='1x12x64,8x32x128': one size B x H x D"),
@@ -236,7 +237,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_gpt.py", ["--lr=inf"], "--lr expects a finite float, got 'inf'"),
     ("train_ar.py", ["--epochs=1e3"], "--epochs expects an integer, got '1e3'"),
     ("train_ar.py", ["--plots=yes"], "--plots expects a boolean (true or false), got 'yes'"),
-    ("bench_kernel.py", ["--bandwidth_tbs=-1"], "--bandwidth_tbs=-1.0 is out of range"),
+    ("report_kernel.py", ["--bandwidth_tbs=-1"], "--bandwidth_tbs=-1.0 is out of range"),
     ("train_ar.py", ["--out_dir="], "--out_dir is empty: it must name where the results go"),
     ("decode.py", ["--out="], "--out is empty"),
     ("convert.py", ["--results="], "--results is empty"),  # these failed after the work, at the save
@@ -247,7 +248,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("convert.py", ["--results=" + HERE], "is a folder: it must name a file"),
     ("fidelity.py", ["--results=" + HERE], "is a folder: it must name a file"),
     ("decode.py", ["--out=" + os.path.join(HERE, "README.md", "decode.json")], "README.md is a file, not a folder"),
-    ("bench_kernel.py", ["--report=true", "--report_out=" + HERE], "is a folder: it must name a file"),
+    ("report_kernel.py", ["--out=" + HERE], "is a folder: it must name a file"),
     ("sweep_kernel.py", ["--out=" + HERE], "is a folder: it must name a file"),
     ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json"), "--out_dir=" + os.path.join(HERE, "README.md")],
      "README.md is a file, not a folder"),
@@ -256,7 +257,7 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("convert.py", ["--layers=all,middle"], "--layers=all,middle: give one of all, middle"),
     ("train_ar.py", ["--attentions=elu,hedgehog,elu"], "--attentions lists elu more than once"),
     ("train_ar.py", ["--seeds=0,1,0"], "--seeds lists 0 more than once"),
-    ("bench_kernel.py", ["--shapes=1x12x64,1x12x64"], "--shapes lists 1x12x64 more than once"),
+    ("report_kernel.py", ["--shapes=1x12x64,1x12x64"], "--shapes lists 1x12x64 more than once"),
     ("train_ar.py", ["--attentions=elu,,hedgehog"], "--attentions='elu,,hedgehog' has an empty entry"),  # ran two
     ("decode.py", ["--contexts=128,"], "--contexts='128,' has an empty entry"),
     ("plot_ar.py", ["--runs=" + os.path.join(HERE, "results", "ar.json") + ","], "ar.json,' has an empty entry"),
@@ -290,7 +291,7 @@ def test_help_gives_each_setting_its_note():
     assert "\n  --features=64                   F per head, the same for every map;" in out
     assert "\n  --save_models=False             after every epoch, each run's model and training state to out_dir" in out
     assert "\n  --n_layer=2\n" in out and "---" not in out
-    assert "\n  --shapes=1x12x64,8x32x128       report: B x H x D\n" in run_script("bench_kernel.py", "--help")
+    assert f"\n{'  --shapes=1x12x64,8x32x128':32}  B x H x D\n" in run_script("report_kernel.py", "--help")
 
 
 def test_help_takes_notes_from_the_config_block_not_from_indented_lines(tmp_path, monkeypatch, capsys):
