@@ -246,24 +246,27 @@ def crossovers(rows):
 
 
 def plot_report(rows, path):
+    """Forward time against tokens, a panel per shape: FlashAttention, and per family ours (with the closed
+    form where there is one, and without it) and fla, each line drawn through the rows where that method ran."""
     plt = pyplot()
     if plt is None:
         return
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        done = [r for r in rows if r["shape"] == shape and "skipped" not in r]
-        Ts = sorted({r["T"] for r in done})
-        if Ts:
-            ax.loglog(Ts, [next(r["flash_fwd_ms"] for r in done if r["T"] == T) for T in Ts], "k-o", label="FlashAttention")
-        for family in dict.fromkeys(r["family"] for r in done):
-            rs = [r for r in done if r["family"] == family]
-            rs = [r for r in rs if "ours_fwd_ms" in r]
-            ax.loglog([r["T"] for r in rs], [r["ours_fwd_ms"] for r in rs], "o-", label=f"ours, {family} (F={rs[0]['F']})")
-            if "ours_features_fwd_ms" in rs[0]:
-                ax.loglog([r["T"] for r in rs], [r["ours_features_fwd_ms"] for r in rs], ":", label=f"ours, {family}, scores from features")
-            if "fla_fwd_ms" in rs[0]:
-                ax.loglog([r["T"] for r in rs], [r["fla_fwd_ms"] for r in rs], "x--", label=f"fla, {family}")
+        here = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["T"])
+        flash = {}  # T -> FlashAttention's time, as first timed (each family's rows time it again)
+        for r in here:
+            if "flash_fwd_ms" in r:
+                flash.setdefault(r["T"], r["flash_fwd_ms"])
+        ax.loglog(list(flash), list(flash.values()), "k-o", label="FlashAttention")
+        for family in dict.fromkeys(r["family"] for r in here):
+            for key, style, name in (("ours", "o-", "ours"), ("ours_features", ":", "ours, scores from features"),
+                                     ("fla", "x--", "fla")):
+                rs = [r for r in here if r["family"] == family and f"{key}_fwd_ms" in r]
+                if rs:
+                    ax.loglog([r["T"] for r in rs], [r[f"{key}_fwd_ms"] for r in rs], style,
+                              label=f"{name}, {family} (F={rs[0]['F']})")
         ax.set(xlabel="tokens", ylabel="forward ms", title=f"B x H x D = {shape}")
         ax.legend(fontsize=7)
     fig.tight_layout()

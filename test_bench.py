@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import bench_kernel
+import configurator
 import decode
+import feature_maps
 import kernel
 import report_kernel
 from attention import MultiHeadAttention
@@ -71,6 +73,7 @@ def test_device_report_bookkeeping(tmp_path):
     assert r["check_seconds"] > 0
     assert set(r["crossovers"]) == {f"{x['shape']} {x['family']}" for x in done}
     assert all(c["longest_T"] in (64, 96) for c in r["crossovers"].values())
+    assert (tmp_path / "r.png").exists() or configurator.pyplot() is None  # the figure, where matplotlib is
 
 
 def test_device_report_crossovers():
@@ -82,6 +85,7 @@ def test_device_report_crossovers():
             row(1024, 0.3, family="elu"), row(32768, 0.8, family="elu"),
             dict(shape="1x12x64", family="oal", T=1024, skipped="x")]
     c = report_kernel.crossovers(rows)
+    assert report_kernel.crossovers(rows[::-1]) == c  # rows in any order (--lengths=32768,1024 times them so)
     assert c["1x12x64 hedgehog"] == dict(crossover_T=8192, graph_crossover_T=2048, longest_T=32768, speedup_at_longest=4.9)
     assert c["1x12x64 elu"] == dict(crossover_T=None, longest_T=32768, speedup_at_longest=0.8)  # no graph timings there
     assert "1x12x64 oal" not in c
@@ -124,6 +128,90 @@ def test_device_report_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
         report_kernel.device_report(cfg)
     rows = json.load(open(out))["rows"]
     assert [x["T"] for x in rows] == [64] and rows[0]["ours_fwd_bwd_ms"] > 0
+
+
+def test_device_report_records_a_method_that_fails_and_goes_on(tmp_path, monkeypatch):
+    """A peer that refuses a size (fla at F = 2145) gets its error in the row, and the row the rest of its
+    times; when FlashAttention or ours fails, the row is saved without a speed-up and the report goes on."""
+    def refuses(*args, **kwargs):
+        raise ValueError("F too large")
+    monkeypatch.setattr(report_kernel, "fla_linear_attention", lambda: refuses)
+    cfg = dict(check="timed", shapes="1x2x8", families="elu", lengths="64,96", repeats=1, max_gib=40.0,
+               out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
+    rows = report_kernel.device_report(cfg)
+    assert [(x["fla_error"], "fla_fwd_ms" in x, "speedup_vs_flash_fwd" in x) for x in rows] == \
+        [("ValueError: F too large", False, True)] * 2
+    monkeypatch.setattr(report_kernel, "flash", refuses)
+    rows = report_kernel.device_report(cfg)
+    assert [(x["flash_error"], "ours_fwd_ms" in x, "speedup_vs_flash_fwd" in x) for x in rows] == \
+        [("ValueError: F too large", True, False)] * 2
+    assert json.load(open(tmp_path / "r.json"))["rows"] == rows
+
+
+def test_device_report_times_the_closed_form_as_ours(tmp_path, monkeypatch):
+    """For Taylor and OAL, "ours" is our kernel with the closed form (squares) and "ours_features" the same
+    without it; the other families have no closed form. A stand-in clock returns 1 ms for a call that used
+    the closed form and 2 ms for one that did not."""
+    used = []
+    real = report_kernel.causal_linear_attention
+
+    def spy(*args, squares=None, **kwargs):
+        used.append(squares is not None)
+        return real(*args, squares=squares, **kwargs)
+
+    def clock(fn, repeats):
+        used.clear()
+        fn()
+        return 1e-3 if any(used) else 2e-3
+    monkeypatch.setattr(report_kernel, "causal_linear_attention", spy)
+    monkeypatch.setattr(report_kernel, "_time", clock)
+    cfg = dict(check="timed", shapes="1x2x8", families="hedgehog,taylor,oal", lengths="64", repeats=1, max_gib=40.0,
+               out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
+    got = {x["family"]: (x["ours_fwd_ms"], x.get("ours_features_fwd_ms")) for x in report_kernel.device_report(cfg)}
+    assert got == {"hedgehog": (2.0, None), "taylor": (1.0, 2.0), "oal": (1.0, 2.0)}
+
+
+def test_the_check_reports_the_worst_error_of_y_and_every_gradient(monkeypatch):
+    """bench_kernel.check against a backend with a planted fault: at F = 16 only, v's gradient 1% too large
+    (the forward unchanged). The check reports that 1% for the case, though y is right and the other shape,
+    checked after it, is clean; the closed form (F = 45) stays clean."""
+    real = bench_kernel.causal_linear_attention
+
+    def faulty(qf, kf, v, backend, squares=None):
+        if qf.shape[-1] == 16:
+            v = v + 0.01 * (v - v.detach())  # the same values; d/dv is 1.01 times the true one
+        return real(qf, kf, v, backend=backend, squares=squares)
+    monkeypatch.setattr(bench_kernel, "causal_linear_attention", faulty)
+    worst = bench_kernel.check("cpu", [(16, 8), (8, 8)], [(8, 6, 8)], T=64)
+    assert worst["torch, float32"] == pytest.approx(0.01, rel=1e-3)
+    assert worst["torch, bfloat16"] >= 0.0099 and worst["torch, float32, closed form"] < 1e-5
+
+
+def test_closed_form_benchmark_labels_its_columns(tmp_path, monkeypatch):
+    """bench_kernel.py --closed_form=true: "closed_form_ms" is the time with the closed form (FeatureMap.scores
+    from it, or the fallback given squares) and "features_ms" without; a stand-in clock says which ran."""
+    used = []
+    real_attention, real_scores = bench_kernel.causal_linear_attention, feature_maps.FeatureMap.scores
+
+    def attention(*args, squares=None, **kwargs):
+        used.append(squares is not None)
+        return real_attention(*args, squares=squares, **kwargs)
+
+    def scores(self, q, k):
+        used.append(True)
+        return real_scores(self, q, k)
+
+    def clock(fn, repeats):
+        used.clear()
+        fn()
+        return 1e-3 if any(used) else 2e-3
+    monkeypatch.setattr(bench_kernel, "causal_linear_attention", attention)
+    monkeypatch.setattr(feature_maps.FeatureMap, "scores", scores)
+    monkeypatch.setattr(bench_kernel, "_time", clock)
+    monkeypatch.chdir(tmp_path)
+    bench_kernel.closed_form(dict(threads=1, repeats=1, closed_form_shapes="2x2x32x8"))
+    rows = json.load(open(tmp_path / "results" / "closed_form.json"))["rows"]
+    assert len(rows) == 6 and {(x["features_ms"], x["closed_form_ms"]) for x in rows} == {(2.0, 1.0)}
 
 
 def test_decode_benchmark_smoke(tmp_path):
