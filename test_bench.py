@@ -317,3 +317,28 @@ def test_kernel_report_times_the_passes(F, keys):
     ours = (lambda a, b, c: kernel.causal_linear_attention(a, b, c, backend="triton"), (qf, kf, v))
     out = report_kernel._passes(qf, kf, v, ours, repeats=1)
     assert set(out) == keys and all(x > 0 for x in out.values()) and kernel.FUSED_MAX_F == 128
+
+
+@needs_triton
+def test_kernel_sweep_records_a_setting_that_fails_and_goes_on(tmp_path, monkeypatch):
+    """A setting that fails on the GPU (out of shared memory, say: the build check covers the defaults, not
+    every setting swept) is a row with its error and no time, and the sweep goes on to the next; the
+    defaults are back afterwards. Here the stand-in clock fails every setting with value tiles of 64."""
+    import sweep_kernel
+    real = sweep_kernel._time
+
+    def clock(fn, repeats):
+        if any(c.get("BV") == 64 for c in kernel._configs(32, 16).values()):  # none of the defaults' at these sizes
+            raise RuntimeError("out of resources: shared memory")
+        return real(fn, repeats)
+    monkeypatch.setattr(sweep_kernel, "_time", clock)
+    defaults = kernel._configs
+    cfg = dict(shape="1x2x16", lengths="128", tiles="32,64", warps="4", stages="2", programs="4096",
+               min_segments="8", chunks="64", repeats=1, out=str(tmp_path / "s.json"))  # two chunks: states not 0
+    rows = sweep_kernel.sweep(cfg)
+    assert kernel._configs is defaults
+    assert [(r["kernel"], r["BV"], r.get("error"), "ms" in r) for r in rows if r["kernel"] != "states"] == [
+        ("fused", 32, None, True), ("fused", 64, "RuntimeError: out of resources: shared memory", False),
+        ("output", 32, None, True), ("output", 64, "RuntimeError: out of resources: shared memory", False),
+        ("output", 32, None, True), ("output", 64, "RuntimeError: out of resources: shared memory", False)]
+    assert json.load(open(tmp_path / "s.json"))["rows"] == rows
