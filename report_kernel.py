@@ -112,20 +112,24 @@ def _graph_time(fn, args, repeats):
     return _time(graph.replay, repeats)
 
 
+def check_sizes(cfg):
+    """The sizes the check covers on a GPU, as bench_kernel.check takes them: [(F, Dv)] and, for the closed
+    form, [(D, SQ, Dv)]. Every build-checked one (--check=all), or those of the sizes timed (--check=timed:
+    fewer kernels to compile)."""
+    if cfg["check"] == "all":
+        return [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV]
+    dims = sorted({D for _, _, D in sizes(cfg, "shapes", 3)})
+    fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
+    return (list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
+            [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
+
+
 def device_report(cfg):
     """Check against float64, then time ours, FlashAttention and fla; the rows, saved after each one."""
     dev, gpu, dtype = _device()
     out = _out_path(cfg["out"], "kernel", gpu)
     t0 = time.time()
-    if dev == "cuda" and cfg["check"] == "all":
-        worst = check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
-    elif dev == "cuda":  # "timed": the sizes the timings below use (fewer kernels to compile)
-        dims = sorted({D for _, _, D in sizes(cfg, "shapes", 3)})
-        fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
-        worst = check(dev, list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
-                      [(D, SQ, D) for D in dims for _, SQ in fams if SQ and (D, SQ) in BUILD_SQUARES])
-    else:
-        worst = check(dev, [(16, 8)], [(8, 6, 8)])
+    worst = check(dev, *check_sizes(cfg)) if dev == "cuda" else check(dev, [(16, 8)], [(8, 6, 8)])
     check_s = time.time() - t0  # on a GPU mostly Triton compiling each shape's kernels
     print(f"check: {check_s:.0f} s")
     fla = fla_linear_attention()  # its Triton kernels want CUDA: on a CPU it is timed as an error, if installed

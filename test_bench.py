@@ -76,6 +76,18 @@ def test_device_report_bookkeeping(tmp_path):
     assert (tmp_path / "r.png").exists() or configurator.pyplot() is None  # the figure, where matplotlib is
 
 
+def test_device_report_checks_the_sizes_it_times():
+    """On a GPU --check=timed covers the (F, Dv) of each family at each shape's D that the build check covers
+    (Hedgehog 2D, 1+ELU D, Taylor and OAL 1 + D + D(D+1)/2), and the closed form's (D, SQ, Dv) of Taylor
+    (2 terms) and OAL (6); --check=all every build-checked size."""
+    timed = lambda shapes, families: report_kernel.check_sizes(dict(check="timed", shapes=shapes, families=families))
+    assert timed("1x12x64", "hedgehog,elu") == ([(128, 64), (64, 64)], [])
+    assert timed("1x12x64,8x32x128", "hedgehog,taylor,oal") == ([(128, 64), (2145, 64), (256, 128)], [(64, 2, 64), (64, 6, 64)])
+    every = report_kernel.check_sizes(dict(check="all"))
+    assert len(every[0]) == len(kernel.BUILD_F) * len(kernel.BUILD_DV) and (2145, 64) in every[0]
+    assert len(every[1]) == len(kernel.BUILD_SQUARES) * len(kernel.BUILD_DV) and (64, 6, 128) in every[1]
+
+
 def test_device_report_crossovers():
     """The crossover is where ours stays at least as fast as FlashAttention (a tie counts) at every longer length
     timed: a length that wins once and then loses again does not count. Per shape and family, eager and graphed."""
