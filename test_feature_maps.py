@@ -453,6 +453,10 @@ def test_find_groups_support_comes_first():
     assert (first, ratio_1, support_1) == ([13, 14, 15], 2.0, 1.0)
     assert second == [15] and ratio_2 > 30 and 0.5 < support_2 < 0.9
     assert oal_groups.find_groups(rows, budget=2).tolist() == [0] * 13 + [1, 1, 1]
+    # a resample supports a boundary only with the same dims above its gap: sequence A's outlier is dim 3,
+    # B's dim 2 (the mean's top). A gap passes in AA and BB resamples, but only BB (1 in 4) has dim 2 above it
+    one, = oal_groups.rank_cuts(torch.tensor([[1.0, 1, 1, 10], [1.0, 1, 12, 1]]))
+    assert one[0] == [2] and 0.1 < one[2] < 0.4
 
 
 def test_oal_grouping_then_calibration_keeps_the_best_checkpoint():
