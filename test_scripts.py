@@ -238,6 +238,8 @@ TINY_GPT = ["--max_iters=6", "--eval_interval=3", "--eval_iters=1", "--batch_siz
     ("train_ar.py", ["--epochs=1e3"], "--epochs expects an integer, got '1e3'"),
     ("train_ar.py", ["--plots=yes"], "--plots expects a boolean (true or false), got 'yes'"),
     ("report_kernel.py", ["--bandwidth_tbs=-1"], "--bandwidth_tbs=-1.0 is out of range"),
+    ("report_kernel.py", ["--check=every"], "--check=every: give one of all, timed"),
+    ("report_kernel.py", ["--max_gib=0"], "--max_gib=0.0 is out of range"),
     ("train_ar.py", ["--out_dir="], "--out_dir is empty: it must name where the results go"),
     ("decode.py", ["--out="], "--out is empty"),
     ("convert.py", ["--results="], "--results is empty"),  # these failed after the work, at the save
