@@ -22,8 +22,9 @@ the forwards of FlashAttention, ours and fla replayed from a CUDA graph (the GPU
 kernel launches, which decide short sequences at batch 1). The forwards run under torch.no_grad, as
 inference does. Writes the rows, and per shape and family the crossover length against FlashAttention
 (eager and from CUDA graphs) and the speed-up at the longest length, with the distance to the memory bound.
-On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback (the tests do, at tiny sizes). The
-kernels' launch settings are timed by sweep_kernel.py.
+On a CPU it runs the same bookkeeping with SDPA and the PyTorch fallback, or with TRITON_INTERPRET=1 set
+the Triton kernels in Triton's interpreter (the tests do both, at tiny sizes). The kernels' launch settings
+are timed by sweep_kernel.py.
 """
 import json
 import os
@@ -34,7 +35,7 @@ import torch
 import kernel
 from bench_kernel import _time, check, flash
 from configurator import at_least, choices, configure, integers, one_of, positive, pyplot, sizes, writable
-from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, causal_linear_attention, triton_covered
+from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
 
 # map family -> (F at head dim D, SQ): the polynomial families run with their closed form (squares) in-tile
@@ -135,7 +136,7 @@ def device_report(cfg):
     fla = fla_linear_attention()  # its Triton kernels want CUDA: on a CPU it is timed as an error, if installed
     if dev == "cuda" and fla is None:
         print("fla: not installed (pip install flash-linear-attention fla-core); timing ours and FlashAttention only")
-    ours = "triton" if dev == "cuda" and HAS_TRITON else "torch"
+    ours = "triton" if HAS_TRITON and (dev == "cuda" or INTERPRET) else "torch"  # as the check runs them
     tbs = peak_bandwidth(cfg, gpu)
     print(f"memory bound at {tbs} TB/s" if tbs else f"no memory bound: give --bandwidth_tbs (TB/s) for {gpu}")
 

@@ -103,6 +103,17 @@ def test_device_report_crossovers():
     assert "1x12x64 oal" not in c
 
 
+@needs_triton
+def test_device_report_times_our_triton_kernels_and_skips_sizes_not_build_checked(tmp_path):
+    """Where Triton runs (a GPU; here its interpreter) "ours" is the Triton kernel: a row also gives pass 1's
+    time, and a size whose code the build check has not compiled (Dv = 1) is skipped, not run."""
+    cfg = dict(check="timed", shapes="1x2x8,1x1x1", families="hedgehog", lengths="64", repeats=1, max_gib=40.0,
+               out=str(tmp_path / "r.json"), bandwidth_tbs=0.0)
+    ran, skipped = report_kernel.device_report(cfg)
+    assert json.load(open(tmp_path / "r.json"))["ours"] == "triton" and ran["ours_pass1_ms"] > 0
+    assert skipped["skipped"] == "not build-checked" and "ours_fwd_ms" not in skipped
+
+
 def test_device_report_times_fla_on_its_layout(tmp_path, monkeypatch):
     """fla's chunk_linear_attn (here a stand-in that checks what it gets) takes our qf, kf, v as [B, T, H, K],
     with scale 1 and its normalisation, and the row gives our forward's time as a multiple of its own."""
