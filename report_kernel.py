@@ -280,11 +280,10 @@ def plot_report(rows, path):
 
 
 if __name__ == "__main__":
-    gpu = torch.cuda.is_available()
     cfg = configure({
         "shapes": "1x12x64,8x32x128",  # B x H x D
         "families": "hedgehog,elu,taylor,oal",  # feature sizes 2D, D, 1 + D + D(D+1)/2 (the last two in-tile)
-        "lengths": "1024,2048,4096,8192,16384,32768" if gpu else "1024,4096",  # tokens (a CPU runs the bookkeeping)
+        "lengths": "1024,2048,4096,8192,16384,32768" if torch.cuda.is_available() else "1024,4096",  # tokens
         "repeats": 5,
         "max_gib": 40.0,  # skip sizes whose features and states would take more
         "check": "all",  # float64 check at every build-checked shape ("all") or at the timed sizes only ("timed")
