@@ -1,9 +1,10 @@
 """
 The test suite: every attention path against an independent float64 oracle, softmax and the weights,
 the module, distillation, and no float64 in float32 runs; the shared helpers. Run: python -m pytest -q
-(test_feature_maps.py tests each map against its closed form and OAL's grouping; test_hybrid.py LoLCATs'
-window + linear hybrid; test_kernel.py kernel.py; test_build_check.py the build check; test_ar.py,
-test_scripts.py and test_bench.py run the scripts; test_pretrained.py the pretrained models.)
+(test_feature_maps.py tests each map against its closed form; test_oal_groups.py OAL's grouping;
+test_hybrid.py LoLCATs' window + linear hybrid; test_kernel.py kernel.py; test_build_check.py the build
+check; test_ar.py, test_scripts.py and test_bench.py run the scripts; test_pretrained.py the pretrained
+models.)
 
 The Triton kernel runs here in Triton's CPU interpreter: TRITON_INTERPRET=1 must be set before triton
 is imported, so it is set below, before importing our modules (on a CUDA machine the real kernel runs).
