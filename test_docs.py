@@ -6,6 +6,7 @@ Run: python -m pytest -q test_docs.py
 """
 import ast
 import importlib
+import math
 import os
 import re
 
@@ -69,7 +70,11 @@ def test_every_command_in_the_docs_names_real_settings(doc):
 
 def test_every_file_but_kernel_py_is_500_lines_or_fewer():
     """The README's promise that each file can be read in one sitting: 500 lines or fewer, kernel.py apart
-    (one algorithm twice, the fallback beside the Triton kernels; the README says why)."""
+    (one algorithm twice, the fallback beside the Triton kernels; the README says why). feature_maps.py, the
+    catalogue of maps that "Adding a feature map" asks a reader to extend, has room to 600, so that a map
+    added there does not fail this test."""
     lengths = {f: sum(1 for _ in open(os.path.join(HERE, f))) for f in os.listdir(HERE) if f.endswith(".py")}
-    assert "500 lines or fewer but for one" in open(os.path.join(HERE, "README.md")).read()
-    assert {f: n for f, n in lengths.items() if n > 500 and f != "kernel.py"} == {}
+    readme = open(os.path.join(HERE, "README.md")).read()
+    assert "500 lines or fewer but for one" in readme and "room to 600 lines" in readme
+    limit = {"kernel.py": math.inf, "feature_maps.py": 600}
+    assert {f: n for f, n in lengths.items() if n > limit.get(f, 500)} == {}
