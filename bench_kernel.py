@@ -38,13 +38,18 @@ def check(dev, shapes, squares=(), T=300):
     positive features in float32 and in bfloat16 (rounded inputs; the reference sees the rounded values).
     At each (D, SQ, Dv) of squares, OAL's features and closed form (SQ - 1 groups, random, parameters moved),
     float32, gradients to q, k, v and L. Prints the worst relative error per backend and case; returns them.
-    On CUDA a float32 tl.dot is TF32 (~1e-3); bfloat16 dots round their operands (~1e-2)."""
+    On CUDA a float32 tl.dot is TF32 (~1e-3); bfloat16 dots round their operands (~1e-2). A long check (every
+    build-checked size, compiled on first use) says how far it has got every 10 s."""
     g = torch.Generator().manual_seed(0)
     backends = ["torch"] + (["triton"] if HAS_TRITON and (dev == "cuda" or INTERPRET) else [])
     worst = {}
     cases = [(dtype, F_, Dv, 0) for dtype in (torch.float32, torch.bfloat16) for F_, Dv in shapes] + \
         [(torch.float32, D, Dv, SQ) for D, SQ, Dv in squares]
-    for dtype, n, Dv, SQ in cases:
+    t0 = said = time.time()
+    for i, (dtype, n, Dv, SQ) in enumerate(cases):
+        if time.time() - said > 10:
+            print(f"check: {i} of {len(cases)} sizes, {time.time() - t0:.0f} s", flush=True)
+            said = time.time()
         v, dy = (torch.randn(1, 2, T, Dv, generator=g, dtype=torch.float64) for _ in range(2))
         if SQ:  # n = D
             fmap = make_feature_map("oal", n, 2, max_groups=SQ - 1).double()
