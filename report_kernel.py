@@ -153,6 +153,8 @@ def device_report(cfg):
         shape = f"{B}x{H}x{D}"
         for family in choices(cfg, "families", FAMILIES):
             F_, SQ = FAMILIES[family][0](D), FAMILIES[family][1]
+            if fla is not None and dev == "cuda":  # progress: the first row takes minutes
+                print(f"{shape} {family}: fla autotunes on its first call at these sizes (about 45 s a direction)", flush=True)
             for T in integers(cfg, "lengths", 1):
                 row = dict(shape=shape, B=B, H=H, D=D, family=family, F=F_, SQ=SQ, T=T)
                 gib = (2 * B * H * T * F_ * 2 + B * H * -(-T // 64) * F_ * D * 2 * 2) / 2 ** 30  # bf16 features, states (x2 backward)
