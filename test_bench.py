@@ -1,8 +1,9 @@
 """
-The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways),
-report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's layout through a stand-in,
-a report stopped part-way, its split of our forward into passes), decode.py (its cache sizes, and its timing and summary from
-scripted clocks) and sweep_kernel.py (each launch setting run as it records it, in the Triton interpreter).
+The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways, a planted
+error found by its check), report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's
+layout through a stand-in, a method that fails, a report stopped part-way, its split of our forward into
+passes), decode.py (its cache sizes, and its timing and summary from scripted clocks) and sweep_kernel.py
+(each launch setting run as it records it, in the Triton interpreter, and one that fails).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_bench.py
 """
