@@ -53,11 +53,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_script(*args, cwd=HERE, ok=True):
-    """Run a script of this folder in a subprocess on the fast PyTorch path (no Triton interpreter).
-    Returns stdout; with ok=False the run must fail, and stderr comes back."""
+def run_script(*args, cwd=HERE, ok=True, cpu=False):
+    """Run a script of this folder in a subprocess on the fast PyTorch path (no Triton interpreter); cpu=True
+    hides any GPU from it. Returns stdout; with ok=False the run must fail, and stderr comes back."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = HERE
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     script = [os.path.join(HERE, args[0]) if args[0].endswith(".py") else args[0], *args[1:]]
     out = subprocess.run([sys.executable, *script], capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
     if not ok:
