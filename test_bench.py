@@ -336,8 +336,11 @@ def test_kernel_sweep_times_each_setting_it_names(tmp_path, monkeypatch):
     assert all(r["rel_error"] < (1e-2 if bf16_rounding(r) else 1e-5) and r["ms"] > 0 for r in rows)
     assert json.load(open(tmp_path / "s.json"))["rows"] == rows
     # 64 tokens, one chunk: the fused forward is one segment, with no sums to time (no row for them)
+    # (and pass 1's states are all 0 there, the state before the first chunk: an error of 0, not 0 / 0)
     one = dict(cfg, lengths="64", tiles="32", programs="4096", min_segments="8", chunks="64")
-    assert [(r["kernel"], "ms" in r) for r in sweep_kernel.sweep(one)] == [("fused", True), ("states", True), ("output", True)]
+    rows = sweep_kernel.sweep(one)
+    assert [(r["kernel"], "ms" in r) for r in rows] == [("fused", True), ("states", True), ("output", True)]
+    assert all(r["rel_error"] < 1e-5 for r in rows) and rows[1]["rel_error"] == 0.0
 
 
 @needs_triton
