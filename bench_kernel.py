@@ -26,6 +26,9 @@ from configurator import at_least, configure, integers, pyplot, sizes, writable
 from feature_maps import make_feature_map
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention
 
+# every size build_check.py compiles, as check takes them: [(F, Dv)], and for the closed form [(D, SQ, Dv)]
+BUILD_SIZES = ([(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
+
 
 def reference(qf, kf, v, eps=1e-6):
     """The definition, O(T^2): A = tril(qf kf^T), y = A v / (A 1 + eps). The oracle (in float64) and a benchmark entry."""
@@ -118,7 +121,7 @@ def benchmark(heads, dim, features, lengths, threads, repeats, quadratic_max, ou
         torch.set_num_threads(threads)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     if dev == "cuda":
-        check(dev, [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV])
+        check(dev, *BUILD_SIZES)
     else:
         check(dev, [(features, dim)], [(8, 6, dim)])
 

@@ -33,7 +33,7 @@ import time
 import torch
 
 import kernel
-from bench_kernel import _time, check, flash
+from bench_kernel import BUILD_SIZES, _time, check, flash
 from configurator import at_least, choices, configure, integers, one_of, positive, pyplot, sizes, writable
 from kernel import BUILD_DV, BUILD_F, BUILD_SQUARES, HAS_TRITON, INTERPRET, causal_linear_attention, triton_covered
 
@@ -118,7 +118,7 @@ def check_sizes(cfg):
     form, [(D, SQ, Dv)]. Every build-checked one (--check=all), or those of the sizes timed (--check=timed:
     fewer kernels to compile)."""
     if cfg["check"] == "all":
-        return [(F_, Dv) for F_ in BUILD_F for Dv in BUILD_DV], [(D, SQ, Dv) for D, SQ in BUILD_SQUARES for Dv in BUILD_DV]
+        return BUILD_SIZES
     dims = sorted({D for _, _, D in sizes(cfg, "shapes", 3)})
     fams = [FAMILIES[f] for f in choices(cfg, "families", FAMILIES)]
     return (list(dict.fromkeys((f(D), D) for D in dims for f, _ in fams if f(D) in BUILD_F and D in BUILD_DV)),
