@@ -335,7 +335,8 @@ def test_train_ar_keeps_the_finished_runs_when_stopped(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return {"attention": attention, "seed": 0}
     monkeypatch.setattr(train_ar, "train_one", run_then_stop)
-    cfg = dict(train_ar.config, attentions="softmax,elu", num_train=8, num_test=8, workers=1, out_dir=str(tmp_path))
+    cfg = dict(train_ar.config, attentions="softmax,elu", num_train=8, num_test=8, workers=1, device="cpu",
+               out_dir=str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         train_ar.main(cfg)
     assert [(r["attention"], r["device"]) for r in json.load(open(tmp_path / "ar.json"))] == [("softmax", "cpu")]
