@@ -1,6 +1,6 @@
 """
 The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways, a planted
-error found by its check), report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's
+error found by its check, whose oracle sees the bfloat16 inputs the backends get), report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's
 layout through a stand-in, a method that fails, a report stopped part-way, its split of our forward into
 passes), decode.py (its cache sizes, and its timing and summary from scripted clocks) and sweep_kernel.py
 (each launch setting run as it records it, in the Triton interpreter, and one that fails).
@@ -218,6 +218,30 @@ def test_the_check_reports_the_worst_error_of_y_and_every_gradient(monkeypatch):
     worst = bench_kernel.check("cpu", [(16, 8), (8, 8)], [(8, 6, 8)], T=64)
     assert worst["torch, float32"] == pytest.approx(0.01, rel=1e-3)
     assert worst["torch, bfloat16"] >= 0.0099 and worst["torch, float32, closed form"] < 1e-5
+
+
+def test_the_check_holds_bfloat16_to_the_inputs_it_gives(monkeypatch):
+    """The oracle of a bfloat16 case sees the rounded qf, kf and v that the backend gets, to the bit. Fed v
+    unrounded instead, it would charge the backend bfloat16's rounding of v (2e-3), which no error bound of
+    the check can tell from a kernel's own (its gradients come back in bfloat16, rounded as much)."""
+    seen = {"oracle": [], "backend": []}
+    real_reference, real_attention = bench_kernel.reference, bench_kernel.causal_linear_attention
+
+    def oracle(qf, kf, v):
+        seen["oracle"].append([x.detach().clone() for x in (qf, kf, v)])
+        return real_reference(qf, kf, v)
+
+    def backend(qf, kf, v, backend, squares=None):
+        seen["backend"].append([x.detach().clone() for x in (qf, kf, v)])
+        return real_attention(qf, kf, v, backend=backend, squares=squares)
+    monkeypatch.setattr(bench_kernel, "reference", oracle)
+    monkeypatch.setattr(bench_kernel, "causal_linear_attention", backend)
+    backends = len(bench_kernel.check("cpu", [(16, 8)], T=64)) // 2  # torch, and triton in the interpreter
+    assert [xs[0].dtype for xs in seen["backend"]] == [torch.float32] * backends + [torch.bfloat16] * backends
+    assert len(seen["oracle"]) == 2
+    for i, given in enumerate(seen["backend"]):  # each case's oracle, then its backends in turn
+        oracle = seen["oracle"][i // backends]
+        assert all(x.dtype == torch.float64 and torch.equal(x, y.double()) for x, y in zip(oracle, given))
 
 
 def test_closed_form_benchmark_labels_its_columns(tmp_path, monkeypatch):
