@@ -1,16 +1,21 @@
 """
 The benchmarks as a user runs them: bench_kernel.py (its CPU timings, the closed form both ways, a planted
-error found by its check, whose oracle sees the bfloat16 inputs the backends get), report_kernel.py (the GPU report's bookkeeping on tiny sizes, its crossovers, fla's
-layout through a stand-in, a method that fails, a report stopped part-way, its split of our forward into
-passes), decode.py (its cache sizes, and its timing and summary from scripted clocks) and sweep_kernel.py
-(each launch setting run as it records it, in the Triton interpreter, and one that fails).
+error found by its check, whose oracle sees the bfloat16 inputs the backends get), report_kernel.py (the GPU
+report's bookkeeping on tiny sizes, its crossovers, fla's layout through a stand-in, a method that fails, a
+report stopped part-way, its split of our forward into passes), decode.py (its cache sizes, and its timing and
+summary from scripted clocks), sweep_kernel.py (each launch setting run as it records it, in the Triton
+interpreter, and one that fails) and report_gpu.sh (every part in order, each stopped at its time limit).
 Scripts run in subprocesses (test_all.run_script), on the fast PyTorch path.
 Run: python -m pytest -q test_bench.py
 """
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
 
-from test_all import DEV, needs_triton, run_script  # first: sets TRITON_INTERPRET before triton is imported
+from test_all import DEV, HERE, needs_triton, run_script  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ import feature_maps
 import kernel
 import report_kernel
 from attention import MultiHeadAttention
+from test_docs import script_settings
 
 
 @pytest.fixture
@@ -402,3 +408,32 @@ def test_kernel_sweep_records_a_setting_that_fails_and_goes_on(tmp_path, monkeyp
         ("output", 32, None, True), ("output", 64, "RuntimeError: out of resources: shared memory", False),
         ("output", 32, None, True), ("output", 64, "RuntimeError: out of resources: shared memory", False)]
     assert json.load(open(tmp_path / "s.json"))["rows"] == rows
+
+
+def test_report_gpu_runs_every_part_each_under_its_limit(tmp_path):
+    """report_gpu.sh with a stand-in for Python that notes each script it is given and its arguments (and
+    runs the real one for the one-liners that name the GPU): the five parts in order, each with settings the
+    script has and its output in OUT_DIR; a part that overruns its share of the budget (the sweep, here) is
+    stopped at it, and the parts after it still run."""
+    real = sys.executable
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {real} "$@"; fi\necho "$@" >> {tmp_path}/calls\n'
+                        'if [ "$1" = sweep_kernel.py ]; then sleep 60; fi\necho "ran $1"\n')
+    stand_in.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stand_in), PYTHONPATH=HERE, CUDA_VISIBLE_DEVICES="")
+    start = time.time()
+    out = subprocess.run(["bash", os.path.join(HERE, "report_gpu.sh"), str(tmp_path / "out"), "20"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and time.time() - start < 30, out.stdout + out.stderr  # the sweep stopped at 4 s
+    calls = [line.split() for line in open(tmp_path / "calls")]
+    assert [c[0] for c in calls] == ["report_kernel.py", "sweep_kernel.py", "report_kernel.py", "report_kernel.py",
+                                     "decode.py"]
+    for script, *args in calls:
+        settings = dict(a[2:].split("=", 1) for a in args)
+        assert set(settings) <= set(script_settings(script)), (script, settings)
+        assert os.path.dirname(settings["out"]) == str(tmp_path / "out") and "_cpu" in settings["out"]  # the GPU's name
+    names = ("fused", "sweep", "fla_shape", "poly", "decode")
+    logs = {name: (tmp_path / "out" / f"{name}.log").read_text() for name in names}
+    assert "== sweep: up to 4 s" in logs["sweep"] and "exit status 124" in logs["sweep"]
+    assert all("ran " in log and "exit status 0" in log for name, log in logs.items() if name != "sweep")
+    assert "torch" in (tmp_path / "out" / "env.txt").read_text()
