@@ -4,7 +4,7 @@
 # others' time: fla autotunes for about 45 s a direction at each new shape, and the sweep compiles every
 # setting. The scripts save after every row, so a part stopped at its limit keeps the rows it finished.
 #
-#     bash report_gpu.sh                  # into results/, 560 s in all
+#     bash report_gpu.sh                  # into results/, 540 s in all (up to 25 s more if parts must be killed)
 #     bash report_gpu.sh OUT_DIR SECONDS
 #
 # OUT_DIR gets each part's JSON (and figure) and log, and env.txt (the GPU, its driver, the versions).
@@ -12,7 +12,7 @@
 # ours and FlashAttention only. PYTHON names the Python to use (default: python3).
 set -uo pipefail
 out=${1:-results}
-budget=${2:-560}
+budget=${2:-540}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the scripts run from this folder
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1  # each row in the log as it comes
@@ -27,7 +27,7 @@ part() {  # name, percent of the budget, command: run it under its limit, its ou
     local name=$1 limit=$((budget * $2 / 100 > 0 ? budget * $2 / 100 : 1))  # (timeout reads 0 as no limit)
     shift 2
     echo "== $name: up to $limit s: $*" | tee "$out/$name.log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
     echo "== $name: exit status ${PIPESTATUS[0]} (124: stopped at its limit)" | tee -a "$out/$name.log"
 }
 
