@@ -32,15 +32,19 @@ part() {  # name, percent of the budget, command: run it under its limit, its ou
 }
 
 # Hedgehog and 1+ELU at Fig. 6's shape: the fused forward, against FlashAttention (and fla)
-part fused 40 $py report_kernel.py --check=timed --shapes=1x12x64 --families=hedgehog,elu \
+part fused 38 $py report_kernel.py --check=timed --shapes=1x12x64 --families=hedgehog,elu \
     --out="$out/kernel_${gpu}_fused.json"
 # the launch settings: 32K first, the length of the paper's 6x (Fig. 6)
-part sweep 22 $py sweep_kernel.py --lengths=32768,4096 --out="$out/kernel_sweep_${gpu}.json"
+part sweep 20 $py sweep_kernel.py --lengths=32768,4096 --out="$out/kernel_sweep_${gpu}.json"
 # fla's own shape
-part fla_shape 18 $py report_kernel.py --check=timed --shapes=8x32x128 --families=hedgehog \
+part fla_shape 16 $py report_kernel.py --check=timed --shapes=8x32x128 --families=hedgehog \
     --out="$out/kernel_${gpu}_fla_shape.json"
 # Taylor and OAL, with their closed form in the tiles
-part poly 12 $py report_kernel.py --check=timed --shapes=1x12x64 --families=taylor,oal \
+part poly 10 $py report_kernel.py --check=timed --shapes=1x12x64 --families=taylor,oal \
     --out="$out/kernel_${gpu}_poly.json"
+# the kernels' tests and the oracle tests of every attention form on this GPU (the suite has run on CPUs only);
+# -x shows the first failure at once, in parallel where pytest-xdist is installed
+part tests 10 $py -m pytest -q -x -p no:cacheprovider $($py -c "import xdist; print('-n 8')" 2>/dev/null) \
+    test_kernel.py test_all.py
 # generation: time per token against the context
-part decode 8 $py decode.py --tokens=10 --out="$out/decode_${gpu}.json"
+part decode 6 $py decode.py --tokens=10 --out="$out/decode_${gpu}.json"

@@ -412,7 +412,7 @@ def test_kernel_sweep_records_a_setting_that_fails_and_goes_on(tmp_path, monkeyp
 
 def test_report_gpu_runs_every_part_each_under_its_limit(tmp_path):
     """report_gpu.sh with a stand-in for Python that notes each script it is given and its arguments (and
-    runs the real one for the one-liners that name the GPU): the five parts in order, each with settings the
+    runs the real one for its one-liners): the six parts in order, each with settings the
     script has and its output in OUT_DIR; a part that overruns its share of the budget (the sweep, here) is
     stopped at it, and the parts after it still run."""
     real = sys.executable
@@ -426,13 +426,15 @@ def test_report_gpu_runs_every_part_each_under_its_limit(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and time.time() - start < 30, out.stdout + out.stderr  # the sweep stopped at 4 s
     calls = [line.split() for line in open(tmp_path / "calls")]
-    assert [c[0] for c in calls] == ["report_kernel.py", "sweep_kernel.py", "report_kernel.py", "report_kernel.py",
+    assert [c[0] for c in calls] == ["report_kernel.py", "sweep_kernel.py", "report_kernel.py", "report_kernel.py", "-m",
                                      "decode.py"]
+    tests = calls.pop(4)
+    assert tests[:2] == ["-m", "pytest"] and all(os.path.exists(os.path.join(HERE, f)) for f in tests if f.endswith(".py"))
     for script, *args in calls:
         settings = dict(a[2:].split("=", 1) for a in args)
         assert set(settings) <= set(script_settings(script)), (script, settings)
         assert os.path.dirname(settings["out"]) == str(tmp_path / "out") and "_cpu" in settings["out"]  # the GPU's name
-    names = ("fused", "sweep", "fla_shape", "poly", "decode")
+    names = ("fused", "sweep", "fla_shape", "poly", "tests", "decode")
     logs = {name: (tmp_path / "out" / f"{name}.log").read_text() for name in names}
     assert "== sweep: up to 4 s" in logs["sweep"] and "exit status 124" in logs["sweep"]
     assert all("ran " in log and "exit status 0" in log for name, log in logs.items() if name != "sweep")
