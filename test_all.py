@@ -339,6 +339,8 @@ def test_distillation_losses_and_output_errors_by_hand(monkeypatch):
     one = [distill.mimicry(q[b:b + 1], k[b:b + 1], v[b:b + 1], elu)["rel_mse"] for b in (0, 1)]
     assert one[0] != pytest.approx(one[1], rel=0.1)
     assert distill.mimicry(q, k, v, elu)["rel_mse"] == pytest.approx(sum(one) / 2, rel=1e-6)
+    o, ohat = softmax_attention(q[:1], k[:1], v[:1]), linear_attention_quadratic(*elu(q[:1], k[:1]), v[:1])
+    assert one[0] == pytest.approx(((ohat - o) ** 2).sum().item() / (o ** 2).sum().item(), rel=1e-9)  # heads pooled
     attn = MultiHeadAttention(8, 2, bias=True).double()
     heads = [distill.output_rel_mse(attn, elu, q[b:b + 1], k[b:b + 1], v[b:b + 1])[0] for b in (0, 1)]
     per_head, after_o = distill.output_rel_mse(attn, elu, q, k, v)
@@ -412,6 +414,14 @@ def test_distillation_improves_fidelity_and_moves_only_the_map(name, loss, metri
     assert losses[-1] < losses[0] and after < gain * before, (before, after)
     assert all(torch.equal(p, proj[n]) for n, p in mha.named_parameters() if not n.startswith("fmap."))
     assert any(not torch.equal(a, b) for a, b in zip(fmap_before, mha.fmap.parameters()))
+
+
+def test_distillation_is_adamw_without_weight_decay(monkeypatch):
+    """Hedgehog App. A.3: AdamW at lr 1e-2 with no weight decay (AdamW's own default is 0.01), on the map alone."""
+    made, adamw, fmap = [], torch.optim.AdamW, fm.make_feature_map("hedgehog", 8, 2)
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: made.append((list(params), kw)) or adamw(params, **kw))
+    distill.distill_feature_map(fmap, *qkv()[:2], steps=1)
+    assert made == [(list(fmap.parameters()), {"lr": 1e-2, "weight_decay": 0.0})]
 
 
 def test_distill_rejects_fixed_maps_missing_v_and_shapes_that_do_not_fit():

@@ -315,11 +315,15 @@ def test_cosformer_reweights_by_cos_distance():
 
 
 def test_taylorshift_kernel():
+    """1 + tau x + (tau x)^2 / 2 from the features and from the closed form, for a temperature of either sign."""
     fmap = make_map("taylorshift")
     q, k, _ = qkv()
     x = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+    with torch.no_grad():
+        fmap.tau[0] = -0.7
     tx = fmap.tau[None] * x  # (H, 1, 1) temperature per head
     assert torch.allclose(kernel_matrix(fmap, q, k), 1 + tx + tx ** 2 / 2, atol=1e-10)
+    assert torch.allclose(fmap.scores(q, k), 1 + tx + tx ** 2 / 2, atol=1e-10)
 
 
 def test_dijiang_dct_and_form():
