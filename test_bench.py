@@ -11,6 +11,7 @@ Run: python -m pytest -q test_bench.py
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -410,11 +411,12 @@ def test_kernel_sweep_records_a_setting_that_fails_and_goes_on(tmp_path, monkeyp
     assert json.load(open(tmp_path / "s.json"))["rows"] == rows
 
 
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="report_gpu.sh needs GNU timeout (Linux, where the GPUs are)")
 def test_report_gpu_runs_every_part_each_under_its_limit(tmp_path):
-    """report_gpu.sh with a stand-in for Python that notes each script it is given and its arguments (and
-    runs the real one for its one-liners): the six parts in order, each with settings the
-    script has and its output in OUT_DIR; a part that overruns its share of the budget (the sweep, here) is
-    stopped at it, and the parts after it still run."""
+    """report_gpu.sh with a stand-in for Python that notes each script it is given and its arguments (and runs
+    the real one for the script's one-liners): the six parts in order, each with settings its script has and its
+    output in OUT_DIR; a part that overruns its share of the budget (the sweep, here) is stopped at its limit,
+    and the parts after it still run."""
     real = sys.executable
     stand_in = tmp_path / "python"
     stand_in.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {real} "$@"; fi\necho "$@" >> {tmp_path}/calls\n'
