@@ -17,8 +17,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the scripts run from thi
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1  # each row in the log as it comes
 py=${PYTHON:-python3}  # the Python that has torch (an activated virtual environment's, or another)
-gpu=$($py -c "from report_kernel import _device  # the GPU's name as the scripts' default file names have it
-print(''.join(c if c.isalnum() else '_' for c in _device()[1].lower()).strip('_'))")
+gpu=$($py -c "from report_kernel import _device, gpu_file_name; print(gpu_file_name(_device()[1]))")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   $py -c "import fla; print('fla', fla.__version__)" 2>/dev/null || echo "fla not installed"; } >"$out/env.txt"

@@ -72,9 +72,14 @@ def _device():
     return "cpu", "cpu", torch.float32
 
 
+def gpu_file_name(gpu):
+    """The GPU's name as a file name: "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3" (report_gpu.sh too)."""
+    return "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
+
+
 def _out_path(given, stem, gpu):
-    """given, or results/<stem>_<the GPU's name as a file name>.json; its folder is made."""
-    out = given or f"results/{stem}_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
+    """given, or results/<stem>_<gpu_file_name(gpu)>.json; its folder is made."""
+    out = given or f"results/{stem}_{gpu_file_name(gpu)}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     return out
 

@@ -441,3 +441,4 @@ def test_report_gpu_runs_every_part_each_under_its_limit(tmp_path):
     assert "== sweep: up to 4 s" in logs["sweep"] and "exit status 124" in logs["sweep"]
     assert all("ran " in log and "exit status 0" in log for name, log in logs.items() if name != "sweep")
     assert "torch" in (tmp_path / "out" / "env.txt").read_text()
+    assert report_kernel.gpu_file_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"  # as the files are named
