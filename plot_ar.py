@@ -179,7 +179,7 @@ def panels(plt, records, rows=1, height=4.5):
     fig, axes = plt.subplots(rows, len(groups), figsize=(5 * len(groups) + 2, height * rows), sharey="row",
                              squeeze=False)
     for ax, size in zip(axes[0], groups):
-        ax.set_title(f"F asked: {size}" if size else "F: the q/k head's")
+        ax.set_title(f"F asked: {size}" if size else "F set by each map's q/k head size")
     return fig, axes, groups
 
 
