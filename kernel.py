@@ -178,10 +178,14 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             W, ql = _square_terms(qs, ks, lam, c)
             A = W.square().sum(3).add_(base[:, None, None, None]).view(-1, chunk, chunk).tril_()
             ctx.squares = (qs, ks, lam, W, ql)
-        S = _exclusive_cumsum(torch.bmm(k.transpose(1, 2), v).view(BH, N, F_, Dv)).view(-1, F_, Dv)
-        z = _exclusive_cumsum(k.sum(1).view(BH, N, F_)).view(-1, F_, 1)
-        num = torch.bmm(A, v).baddbmm_(q, S)  # (BHN, C, Dv)
-        den = torch.bmm(q, z).add_(A.sum(-1, keepdim=True)).add_(eps)  # (BHN, C, 1)
+        if N > 1:
+            S = _exclusive_cumsum(torch.bmm(k.transpose(1, 2), v).view(BH, N, F_, Dv)).view(-1, F_, Dv)
+            z = _exclusive_cumsum(k.sum(1).view(BH, N, F_)).view(-1, F_, 1)
+            num = torch.bmm(A, v).baddbmm_(q, S)  # (BHN, C, Dv)
+            den = torch.bmm(q, z).add_(A.sum(-1, keepdim=True)).add_(eps)  # (BHN, C, 1)
+        else:  # one chunk: nothing before it, so no state (S = 0, z = 0), and its F x Dv products are skipped
+            S = z = None
+            num, den = torch.bmm(A, v), A.sum(-1, keepdim=True).add_(eps)
         y = num.div_(den)
         ctx.save_for_backward(q, k, v, A, S, z, y, den)
         return y.view(B, H, -1, Dv)[:, :, :T].to(ctx.dtypes[2])
@@ -197,15 +201,17 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dnum = dy.to(y.dtype).reshape(BHN, C, Dv) / den
         dden = -(dnum * y).sum(-1, keepdim=True)  # (BHN, C, 1)
         G = torch.bmm(dnum, v.transpose(1, 2)).add_(dden).tril_()  # (BHN, C, C)
-        R = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dnum).view(BH, N, F_, Dv), reverse=True).view(-1, F_, Dv)
-        r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
-        dsquares = (None,) * 5
         if ctx.squares is None:
-            dq = torch.bmm(G, k).baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
-            dk = torch.bmm(G.transpose(1, 2), q).baddbmm_(v, R.transpose(1, 2)).add_(r)
-        else:  # the G terms go to the closed form's q', k' instead
-            dq = torch.bmm(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
-            dk = torch.bmm(v, R.transpose(1, 2)).add_(r)
+            dq, dk = torch.bmm(G, k), torch.bmm(G.transpose(1, 2), q)  # (BHN, C, F)
+        else:  # the G terms go to the closed form's q', k' instead (below)
+            dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        if N > 1:  # the state's terms (one chunk has none): R, r sum q^T dnum, q^T dden over the later chunks
+            R = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dnum).view(BH, N, F_, Dv), reverse=True).view(-1, F_, Dv)
+            r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
+            dq.baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
+            dk.baddbmm_(v, R.transpose(1, 2)).add_(r)
+        dsquares = (None,) * 5
+        if ctx.squares is not None:
             qs, ks, lam, W, ql = ctx.squares
             G5 = G.view(B, H, N, C, C)
             dW = 2 * G5[:, :, :, None] * W  # (B, H, N, SQ, C, C)
@@ -215,7 +221,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             dlam, dc, dbase = (dWk * qs[:, :, :, None]).sum((0, 2, 4)), dW.sum((0, 2, 4, 5)), G5.sum((0, 2, 3, 4))
             dsquares = (dqs.flatten(2, 3)[:, :, :T], dks.flatten(2, 3)[:, :, :T], dlam, dc, dbase)
             dsquares = tuple(x.to(t) for x, t in zip(dsquares, ctx.squares_dtypes))
-        dv = torch.bmm(A.transpose(1, 2), dnum).baddbmm_(k, R)
+        dv = torch.bmm(A.transpose(1, 2), dnum)
+        if N > 1:
+            dv.baddbmm_(k, R)
         grads = tuple(x.view(B, H, N * C, -1)[:, :, :T].to(t) for x, t in zip((dq, dk, dv), ctx.dtypes))
         return grads + (None, None) + dsquares
 

@@ -255,12 +255,12 @@ def test_an_older_triton_counts_as_absent(tmp_path):
                                            pytest.param("triton", torch.float32, marks=needs_triton),
                                            pytest.param("triton", torch.bfloat16, marks=needs_triton)])
 @pytest.mark.parametrize("name", POLYNOMIAL)
-@pytest.mark.parametrize("T,D", [(70, 12), (130, 16)])
+@pytest.mark.parametrize("T,D", [(10, 12), (70, 12), (130, 16)])
 def test_kernel_squares_match_float64(backend, dtype, name, T, D):
     """The scores within a chunk from the closed form (kernel squares=): output and gradients of q, k, v and
-    the map's parameters against the float64 O(T^2) form on the features. T not a multiple of the chunk,
-    D not a multiple of 16 (12) and one tile (16). bfloat16: the features rounded to it before the kernel,
-    which then takes bf16 dots, the closed form's too."""
+    the map's parameters against the float64 O(T^2) form on the features. T within one chunk (no state), or
+    not a multiple of the chunk, D not a multiple of 16 (12) and one tile (16). bfloat16: the features
+    rounded to it before the kernel, which then takes bf16 dots, the closed form's too."""
     fmap = make_map(name, D=D, H=3)
     q, k, v = (x.requires_grad_() for x in qkv(B=2, H=3, T=T, D=D, Dv=9))
     params = [q, k, v] + list(fmap.parameters())
