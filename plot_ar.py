@@ -22,10 +22,16 @@ Fig. 4), ar_lookup.png (the retrieval head's query row on one test sequence, Fig
 (accuracy against training steps), ar_runs.png (every run's accuracy, epoch by epoch), ar_heads.png (the
 previous-token and answer heads forming, epoch by epoch), each with one panel per F asked, and, when F
 varies, ar_capacity.png (Zoology Fig. 2).
+With --compare, exact tests of the differences between attentions over seeds, in ar_tests.txt: how many
+runs solve the task (Fisher's exact test) and when they leave the plateau, the first epoch at 50% (the exact
+Mann-Whitney rank-sum test), e.g. python plot_ar.py --runs=... --compare=elu:exp_t2,hedgehog:exp_t2
 """
 import glob
+import itertools
 import json
+import math
 import os
+import statistics
 
 import torch
 
@@ -35,6 +41,8 @@ from configurator import configure, entries, pyplot, repeated, writable
 runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
 out_dir = ""  # where the table and figures go; "": the folder of the first file
 plots = True
+compare = ""  # attentions to test against each other over seeds: pairs "elu:exp_t2,hedgehog:exp_t2", or "all"
+solve = 0.9  # compare: a run solves the task at this test accuracy or more
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 
@@ -291,6 +299,74 @@ def report(records, out_dir, plots=True):
         print(f"figures: {out_dir}/ar_*.png")
 
 
+# ---- differences over seeds: exact tests, computed here (no statistics package needed) ----
+
+def first_epoch_at(r, acc=0.5):
+    """The first epoch whose test accuracy is acc or more (where a run leaves the plateau), None if none."""
+    return next((e for e, a in enumerate(r["test_acc_per_epoch"], 1) if a >= acc), None)
+
+
+def fisher_exact(a, n, b, m):
+    """Two-sided p of Fisher's exact test, a of n runs against b of m: with the margins fixed, the
+    probability (hypergeometric) of every table no likelier than the one seen."""
+    k = a + b
+    p = lambda x: math.comb(n, x) * math.comb(m, k - x) / math.comb(n + m, k)
+    seen = p(a) * (1 + 1e-7)  # a table as likely as the one seen counts, whatever the rounding
+    return min(1.0, sum(p(x) for x in range(max(0, k - m), min(k, n) + 1) if p(x) <= seen))
+
+
+def rank_sum_test(x, y):
+    """Two-sided p of the exact Mann-Whitney (Wilcoxon rank-sum) test of x against y: the share of the ways
+    to split the pooled values into groups of len(x) and len(y) that put the first group's rank sum at
+    least as far from its mean as x's. Tied values share their mean rank (doubled, to stay integers); the
+    rank sums of all the splits are counted exactly, by dynamic programming over (group size, rank sum)."""
+    pooled = sorted(x + y)
+    rank2 = {v: 2 * pooled.index(v) + pooled.count(v) + 1 for v in pooled}  # 2 x the mean of v's ranks
+    ways = [{0: 1}] + [{} for _ in x]  # ways[c][s]: how many c-subsets of the values seen have rank sum s
+    for v in pooled:
+        for c in range(len(x), 0, -1):
+            for s, w in ways[c - 1].items():
+                ways[c][s + rank2[v]] = ways[c].get(s + rank2[v], 0) + w
+    mean2, seen = len(x) * (len(pooled) + 1), sum(rank2[v] for v in x)  # 2 x the mean rank sum, 2 x x's
+    far = sum(w for s, w in ways[len(x)].items() if abs(s - mean2) >= abs(seen - mean2))
+    return far / math.comb(len(pooled), len(x))
+
+
+def compare_runs(records, pairs, solve=0.9):
+    """The tests of compare_pairs' pairs within each F asked, as text: how many runs of each solve the task
+    (test accuracy >= solve) and Fisher's p; the median first epoch at 50% of the runs that reach it and
+    the rank-sum test's p. Both p two-sided, not corrected for the number of tests."""
+    lines = [f"tests over seeds: 'solve' is a test accuracy of {solve:.0%} or more (Fisher's exact test), 'epoch at "
+             f"50%' the first epoch there, median (runs) of the runs that reach it (exact Mann-Whitney test); "
+             f"two-sided p, not corrected for multiple tests",
+             f"{'F asked':>7} {'attention':<12} {'against':<12} {'solve':>6} {'solve':>6} {'p':>7} "
+             f"{'epoch at 50%':>12} {'epoch at 50%':>12} {'p':>7}"]
+    pairs = compare_pairs(pairs, names_in(records))
+    for size, rs in by_size(records).items():
+        runs = {name: [r for r in rs if r["attention"] == name] for name in names_in(rs)}
+        for a, b in (p for p in pairs if p[0] in runs and p[1] in runs):  # the pairs with runs at this F
+            solved = [sum(r["test_acc"] >= solve for r in runs[n]) for n in (a, b)]
+            fisher = fisher_exact(solved[0], len(runs[a]), solved[1], len(runs[b]))
+            e50 = [[e for e in map(first_epoch_at, runs[n]) if e is not None] for n in (a, b)]
+            cells = [f"{statistics.median(e):g} ({len(e)})" if e else "never" for e in e50]
+            p = f"{rank_sum_test(*e50):.2g}" if all(e50) else "-"
+            lines.append(f"{size:>7} {a:<12} {b:<12} {f'{solved[0]}/{len(runs[a])}':>6} {f'{solved[1]}/{len(runs[b])}':>6} "
+                         f"{fisher:>7.2g} {cells[0]:>12} {cells[1]:>12} {p:>7}")
+    return "\n".join(lines)
+
+
+def compare_pairs(pairs, names):
+    """--compare's pairs: "all" is every pair of names (in their order), else "a:b,c:d" as given, checked."""
+    if pairs == "all":
+        return list(itertools.combinations(names, 2))
+    got = [tuple(p.split(":")) for p in pairs.split(",")]
+    for p in got:
+        if len(p) != 2 or not all(n in names for n in p):
+            raise SystemExit(f"error: --compare: {':'.join(p)!r} is not two attentions of these runs, a:b "
+                             f"(they have {', '.join(names)}), or 'all'")
+    return got
+
+
 def load(paths):
     """The finished runs of several ar.json files, checked to be one experiment; runs that stopped on a
     non-finite loss are named and left out."""
@@ -347,4 +423,13 @@ if __name__ == "__main__":
     writable(cfg, "out_dir", folder=True)
     records = load(paths)
     os.makedirs(cfg["out_dir"], exist_ok=True)
+    if cfg["compare"]:  # a bad pair or threshold stops here, before any work
+        compare_pairs(cfg["compare"], names_in(records))
+        if not 0 < cfg["solve"] <= 1:
+            raise SystemExit(f"error: --solve is a test accuracy in (0, 1], got {cfg['solve']}")
     report(records, cfg["out_dir"], cfg["plots"])
+    if cfg["compare"]:
+        tests = compare_runs(records, cfg["compare"], cfg["solve"])
+        print("\n" + tests)
+        with open(os.path.join(cfg["out_dir"], "ar_tests.txt"), "w") as f:
+            f.write(tests + "\n")

@@ -1,9 +1,11 @@
 """
 plot_ar.py as a user runs it: the AR table and figures, panels by the feature size asked, accuracy at equal
-budgets, and runs made apart merged into one table (or refused in one line).
+budgets, runs made apart merged into one table (or refused in one line), and the exact tests between attentions.
 Run: python -m pytest -q test_plot_ar.py
 """
+import itertools
 import json
+import random
 
 from test_all import run_script  # first: sets TRITON_INTERPRET before triton is imported
 
@@ -70,6 +72,31 @@ def test_plot_ar_compares_runs_at_equal_budgets():
     assert plot_ar.at_epochs([solved, run([0.3] * 4)]) == ""  # no run passes epoch 5
 
 
+def test_exact_tests_by_hand_and_by_counting_every_split():
+    """Fisher's exact test and the exact rank-sum test against known values, and against counting by brute
+    force every way to split the pooled runs into the two groups (ties included)."""
+    assert plot_ar.fisher_exact(3, 4, 1, 4) == pytest.approx(34 / 70)  # the lady tasting tea, two-sided
+    assert plot_ar.fisher_exact(3, 3, 0, 3) == pytest.approx(2 / 20)  # only the two extreme tables
+    assert plot_ar.fisher_exact(2, 4, 3, 6) == pytest.approx(1.0)
+    assert plot_ar.rank_sum_test([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # x below y, or above: 2 of 20
+    assert plot_ar.rank_sum_test([1, 2], [2, 3]) == pytest.approx(4 / 6)  # midranks 1, 2.5 | 2.5, 4
+    g = random.Random(0)
+    for n, m in [(3, 4), (5, 6), (6, 2), (7, 7)]:
+        x, y = [g.randint(30, 40) for _ in range(n)], [g.randint(33, 45) for _ in range(m)]
+        pooled = sorted(x + y)
+        rank = {v: sum(i + 1 for i, u in enumerate(pooled) if u == v) / pooled.count(v) for v in pooled}
+        mean = n * (n + m + 1) / 2
+        sums = [sum(rank[pooled[i]] for i in split) for split in itertools.combinations(range(n + m), n)]
+        far = sum(abs(s - mean) >= abs(sum(rank[v] for v in x) - mean) - 1e-9 for s in sums)
+        assert plot_ar.rank_sum_test(x, y) == pytest.approx(far / len(sums))
+        solved = [v >= 36 for v in x + y]  # Fisher: the share of splits whose count is no likelier than x's
+        counts = [sum(solved[i] for i in split) for split in itertools.combinations(range(n + m), n)]
+        likely = {c: counts.count(c) for c in counts}
+        seen = likely[sum(solved[:n])]
+        assert plot_ar.fisher_exact(sum(solved[:n]), n, sum(solved[n:]), m) == pytest.approx(
+            sum(k for k in likely.values() if k <= seen) / len(counts))
+
+
 def test_runs_merge_across_the_early_stop_setting_only_without_patience():
     """Runs recorded before early_stop was a setting merge with later ones where no run stopped early."""
     old, new = {"lr": 1e-3, "patience": 0}, {"lr": 1e-3, "patience": 0, "early_stop": "loss"}
@@ -103,6 +130,16 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     for runs in (tmp_path / "seed*.json", ",".join(str(tmp_path / f"{n}.json") for n in ("seed0", "seed1_cut", "seed1"))):
         run_script("plot_ar.py", f"--runs={runs}", f"--out_dir={merged}", "--plots=false")
         assert (merged / "ar_summary.txt").read_text() == table
+
+    # the tests between two attentions over the two seeds, and a pair that is not in the runs
+    run_script("plot_ar.py", f"--runs={tmp_path / 'ar.json'}", f"--out_dir={merged}", "--plots=false",
+               "--compare=softmax:elu")
+    row = (merged / "ar_tests.txt").read_text().splitlines()[2].split()
+    solved = [sum(r["test_acc"] >= 0.9 for r in records if r["attention"] == n) for n in ("softmax", "elu")]
+    assert row[:5] == ["64", "softmax", "elu", f"{solved[0]}/2", f"{solved[1]}/2"]
+    err = run_script("plot_ar.py", f"--runs={tmp_path / 'ar.json'}", f"--out_dir={merged}", "--compare=softmax:relu",
+                     ok=False)
+    assert "--compare: 'softmax:relu' is not two attentions of these runs" in err and len(err.strip().splitlines()) == 1
 
     other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
     json.dump(other, open(tmp_path / "other.json", "w"))
