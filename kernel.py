@@ -150,7 +150,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dv = A^T dnum + k R
     The forward's A and S are saved and reused, so forward + backward is 12 batched C x 64 x 64-sized
     matmuls (three separate causal dots would take 16), and the denominator is kept out of the matmuls
-    (a 65th column slows them down). Sums run in float32 (float64 stays float64).
+    (a 65th column slows them down). A sequence of one chunk has no state (S, z, R, r are 0), so its state
+    terms are skipped: 6 matmuls, none of them F x Dv. Sums run in float32 (float64 stays float64).
 
     With squares, A comes from the closed form instead, A = tril(base + sum_r W_r^2), W_r = c_r + (q' lam_r) k'^T
     on the raw q', k' (D wide, not F), and the G k, G^T q terms become, with dW_r = 2 G W_r:
