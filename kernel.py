@@ -202,6 +202,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dnum = dy.to(y.dtype).reshape(BHN, C, Dv) / den
         dden = -(dnum * y).sum(-1, keepdim=True)  # (BHN, C, 1)
         G = torch.bmm(dnum, v.transpose(1, 2)).add_(dden).tril_()  # (BHN, C, C)
+        dv = torch.bmm(A.transpose(1, 2), dnum)  # (BHN, C, Dv)
         if ctx.squares is None:
             dq, dk = torch.bmm(G, k), torch.bmm(G.transpose(1, 2), q)  # (BHN, C, F)
         else:  # the G terms go to the closed form's q', k' instead (below)
@@ -211,6 +212,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             r = _exclusive_cumsum(torch.bmm(q.transpose(1, 2), dden).view(BH, N, F_), reverse=True).view(-1, 1, F_)
             dq.baddbmm_(dnum, S.transpose(1, 2)).addcmul_(dden, z.transpose(1, 2))
             dk.baddbmm_(v, R.transpose(1, 2)).add_(r)
+            dv.baddbmm_(k, R)
         dsquares = (None,) * 5
         if ctx.squares is not None:
             qs, ks, lam, W, ql = ctx.squares
@@ -222,9 +224,6 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             dlam, dc, dbase = (dWk * qs[:, :, :, None]).sum((0, 2, 4)), dW.sum((0, 2, 4, 5)), G5.sum((0, 2, 3, 4))
             dsquares = (dqs.flatten(2, 3)[:, :, :T], dks.flatten(2, 3)[:, :, :T], dlam, dc, dbase)
             dsquares = tuple(x.to(t) for x, t in zip(dsquares, ctx.squares_dtypes))
-        dv = torch.bmm(A.transpose(1, 2), dnum)
-        if N > 1:
-            dv.baddbmm_(k, R)
         grads = tuple(x.view(B, H, N * C, -1)[:, :, :T].to(t) for x, t in zip((dq, dk, dv), ctx.dtypes))
         return grads + (None, None) + dsquares
 
