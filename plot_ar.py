@@ -350,8 +350,9 @@ def compare_runs(records, pairs, solve=0.9):
             e50 = [[e for e in map(first_epoch_at, runs[n]) if e is not None] for n in (a, b)]
             cells = [f"{statistics.median(e):g} ({len(e)})" if e else "never" for e in e50]
             p = f"{rank_sum_test(*e50):.2g}" if all(e50) else "-"
-            lines.append(f"{size:>7} {a:<12} {b:<12} {f'{solved[0]}/{len(runs[a])}':>6} {f'{solved[1]}/{len(runs[b])}':>6} "
-                         f"{fisher:>7.2g} {cells[0]:>12} {cells[1]:>12} {p:>7}")
+            counts = [f"{solved[0]}/{len(runs[a])}", f"{solved[1]}/{len(runs[b])}"]
+            lines.append(f"{size:>7} {a:<12} {b:<12} {counts[0]:>6} {counts[1]:>6} {fisher:>7.2g} "
+                         f"{cells[0]:>12} {cells[1]:>12} {p:>7}")
     return "\n".join(lines)
 
 

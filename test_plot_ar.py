@@ -1,6 +1,7 @@
 """
 plot_ar.py as a user runs it: the AR table and figures, panels by the feature size asked, accuracy at equal
-budgets, runs made apart merged into one table (or refused in one line), and the exact tests between attentions.
+budgets, runs made apart merged into one table (or refused in one line), and the exact tests between
+attentions.
 Run: python -m pytest -q test_plot_ar.py
 """
 import itertools
