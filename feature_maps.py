@@ -496,5 +496,5 @@ def make_feature_map(name, head_dim, num_heads=1, **kwargs):
     unknown = [key for key in kwargs if key not in options]
     if unknown:
         raise ValueError(f"feature map {name!r} has no option {', '.join(unknown)}; "
-                         f"its options: {', '.join(options) or 'none'}")  # was a TypeError from __init__
+                         f"its options: {', '.join(options) or 'none'}")  # one line, not __init__'s TypeError
     return FEATURE_MAPS[name](head_dim, num_heads, **kwargs)

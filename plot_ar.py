@@ -335,12 +335,15 @@ def rank_sum_test(x, y):
 def compare_runs(records, pairs, solve=0.9):
     """The tests of compare_pairs' pairs within each F asked, as text: how many runs of each solve the task
     (test accuracy >= solve) and Fisher's p; the median first epoch at 50% of the runs that reach it and
-    the rank-sum test's p. Both p two-sided, not corrected for the number of tests."""
+    the rank-sum test's p, over those runs, then over every run with the runs that never reach 50% ranked
+    last (tied): a run the recipe ended on the plateau is the latest of all. Every p two-sided, not
+    corrected for the number of tests."""
     lines = [f"tests over seeds: 'solve' is a test accuracy of {solve:.0%} or more (Fisher's exact test), 'epoch at "
              f"50%' the first epoch there, median (runs) of the runs that reach it (exact Mann-Whitney test); "
+             f"'p, never last' the same test over every run, those that never reach 50% ranked last; "
              f"two-sided p, not corrected for multiple tests",
              f"{'F asked':>7} {'attention':<12} {'against':<12} {'solve':>6} {'solve':>6} {'p':>7} "
-             f"{'epoch at 50%':>12} {'epoch at 50%':>12} {'p':>7}"]
+             f"{'epoch at 50%':>12} {'epoch at 50%':>12} {'p':>7} {'p, never last':>13}"]
     pairs = compare_pairs(pairs, names_in(records))
     for size, rs in by_size(records).items():
         runs = {name: [r for r in rs if r["attention"] == name] for name in names_in(rs)}
@@ -350,9 +353,10 @@ def compare_runs(records, pairs, solve=0.9):
             e50 = [[e for e in map(first_epoch_at, runs[n]) if e is not None] for n in (a, b)]
             cells = [f"{statistics.median(e):g} ({len(e)})" if e else "never" for e in e50]
             p = f"{rank_sum_test(*e50):.2g}" if all(e50) else "-"
+            last = [[math.inf if e is None else e for e in map(first_epoch_at, runs[n])] for n in (a, b)]
             counts = [f"{solved[0]}/{len(runs[a])}", f"{solved[1]}/{len(runs[b])}"]
             lines.append(f"{size:>7} {a:<12} {b:<12} {counts[0]:>6} {counts[1]:>6} {fisher:>7.2g} "
-                         f"{cells[0]:>12} {cells[1]:>12} {p:>7}")
+                         f"{cells[0]:>12} {cells[1]:>12} {p:>7} {rank_sum_test(*last):>13.2g}")
     return "\n".join(lines)
 
 

@@ -98,6 +98,19 @@ def test_exact_tests_by_hand_and_by_counting_every_split():
             sum(k for k in likely.values() if k <= seen) / len(counts))
 
 
+def test_compare_row_by_hand():
+    """One row of --compare's table worked by hand. a reaches 50% at epoch 2 in one run of three, b at
+    epochs 1, 1, 3. Over the runs that reach it, ranks 1.5 1.5 3 4: every split is as far from the mean as
+    a's, p = 1. With a's two others ranked last (tied at 5.5): a's rank sum 14 against a mean of 10.5, and
+    4 splits of 20 are as far (both last with the 3 or the 4, and their mirror images), p = 0.2."""
+    run = lambda name, acc: {"attention": name, "features_asked": 64, "test_acc": acc[-1], "test_acc_per_epoch": acc}
+    a = [run("a", [0.3, 0.95]), run("a", [0.3, 0.3, 0.3]), run("a", [0.2, 0.4])]
+    b = [run("b", [0.6, 0.92]), run("b", [0.5, 0.7]), run("b", [0.3, 0.3, 0.99])]
+    row = plot_ar.compare_runs(a + b, "a:b").splitlines()[2].split()
+    assert row == ["64", "a", "b", "1/3", "2/3", f"{plot_ar.fisher_exact(1, 3, 2, 3):.2g}", "2", "(1)", "1", "(3)",
+                   "1", "0.2"]
+
+
 def test_runs_merge_across_the_early_stop_setting_only_without_patience():
     """Runs recorded before early_stop was a setting merge with later ones where no run stopped early."""
     old, new = {"lr": 1e-3, "patience": 0}, {"lr": 1e-3, "patience": 0, "early_stop": "loss"}
