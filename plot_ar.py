@@ -336,8 +336,9 @@ def compare_runs(records, pairs, solve=0.9):
     """The tests of compare_pairs' pairs within each F asked, as text: how many runs of each solve the task
     (test accuracy >= solve) and Fisher's p; the median first epoch at 50% of the runs that reach it and
     the rank-sum test's p, over those runs, then over every run with the runs that never reach 50% ranked
-    last (tied): a run the recipe ended on the plateau is the latest of all. Every p two-sided, not
-    corrected for the number of tests."""
+    last (tied): a run the recipe ended on the plateau is the latest of all (one cut by a time cap counts
+    as never too, so read that column where the recipe ended every run). Every p two-sided, not corrected
+    for the number of tests."""
     lines = [f"tests over seeds: 'solve' is a test accuracy of {solve:.0%} or more (Fisher's exact test), 'epoch at "
              f"50%' the first epoch there, median (runs) of the runs that reach it (exact Mann-Whitney test); "
              f"'p, never last' the same test over every run, those that never reach 50% ranked last; "
@@ -350,10 +351,11 @@ def compare_runs(records, pairs, solve=0.9):
         for a, b in (p for p in pairs if p[0] in runs and p[1] in runs):  # the pairs with runs at this F
             solved = [sum(r["test_acc"] >= solve for r in runs[n]) for n in (a, b)]
             fisher = fisher_exact(solved[0], len(runs[a]), solved[1], len(runs[b]))
-            e50 = [[e for e in map(first_epoch_at, runs[n]) if e is not None] for n in (a, b)]
+            firsts = [[first_epoch_at(r) for r in runs[n]] for n in (a, b)]
+            e50 = [[e for e in f if e is not None] for f in firsts]
             cells = [f"{statistics.median(e):g} ({len(e)})" if e else "never" for e in e50]
             p = f"{rank_sum_test(*e50):.2g}" if all(e50) else "-"
-            last = [[math.inf if e is None else e for e in map(first_epoch_at, runs[n])] for n in (a, b)]
+            last = [[math.inf if e is None else e for e in f] for f in firsts]
             counts = [f"{solved[0]}/{len(runs[a])}", f"{solved[1]}/{len(runs[b])}"]
             lines.append(f"{size:>7} {a:<12} {b:<12} {counts[0]:>6} {counts[1]:>6} {fisher:>7.2g} "
                          f"{cells[0]:>12} {cells[1]:>12} {p:>7} {rank_sum_test(*last):>13.2g}")
