@@ -24,7 +24,8 @@ previous-token and answer heads forming, epoch by epoch), each with one panel pe
 varies, ar_capacity.png (Zoology Fig. 2).
 With --compare, exact tests of the differences between attentions over seeds, in ar_tests.txt: how many
 runs solve the task (Fisher's exact test) and when they leave the plateau, the first epoch at 50% (the exact
-Mann-Whitney rank-sum test), e.g. python plot_ar.py --runs=... --compare=elu:exp_t2,hedgehog:exp_t2
+Mann-Whitney rank-sum test), e.g. python plot_ar.py --runs=... --compare=elu:exp_t2,hedgehog:exp_t2; name@F
+picks an attention's runs of F features, to test across state sizes (--compare=exp_t2@64:exp_t2@32)
 """
 import glob
 import itertools
@@ -41,7 +42,7 @@ from configurator import configure, entries, pyplot, repeated, writable
 runs = "results/ar.json"  # comma-separated ar.json files of train_ar.py, or patterns (quoted, so the shell leaves them)
 out_dir = ""  # where the table and figures go; "": the folder of the first file
 plots = True
-compare = ""  # attentions to test against each other over seeds: pairs "elu:exp_t2,hedgehog:exp_t2", or "all"
+compare = ""  # attentions to test against each other over seeds: pairs "elu:exp_t2,hedgehog@32:exp_t2@32", or "all"
 solve = 0.9  # compare: a run solves the task at this test accuracy or more
 # -----------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
@@ -332,9 +333,16 @@ def rank_sum_test(x, y):
     return far / math.comb(len(pooled), len(x))
 
 
+def runs_of(records, spec):
+    """The runs of `spec`: an attention's name, or name@F for its runs of F features."""
+    name, _, F = spec.partition("@")
+    return [r for r in records if r["attention"] == name and (not F or str(r["features"]) == F)]
+
+
 def compare_runs(records, pairs, solve=0.9):
-    """The tests of compare_pairs' pairs within each F asked, as text: how many runs of each solve the task
-    (test accuracy >= solve) and Fisher's p; the median first epoch at 50% of the runs that reach it and
+    """The tests of compare_pairs' pairs within each F asked (a pair that names its Fs, name@F, once over all
+    the runs, with "-" for F asked), as text: how many runs of each solve the task (test accuracy >= solve)
+    and Fisher's p; the median first epoch at 50% of the runs that reach it and
     the rank-sum test's p, over those runs, then over every run with the runs that never reach 50% ranked
     last (tied): a run the recipe ended on the plateau is the latest of all (one cut by a time cap counts
     as never too, so read that column where the recipe ended every run). Every p two-sided, not corrected
@@ -345,10 +353,12 @@ def compare_runs(records, pairs, solve=0.9):
              f"two-sided p, not corrected for multiple tests",
              f"{'F asked':>7} {'attention':<12} {'against':<12} {'solve':>6} {'solve':>6} {'p':>7} "
              f"{'epoch at 50%':>12} {'epoch at 50%':>12} {'p':>7} {'p, never last':>13}"]
-    pairs = compare_pairs(pairs, names_in(records))
-    for size, rs in by_size(records).items():
-        runs = {name: [r for r in rs if r["attention"] == name] for name in names_in(rs)}
-        for a, b in (p for p in pairs if p[0] in runs and p[1] in runs):  # the pairs with runs at this F
+    pairs = compare_pairs(pairs, records)
+    rows = [(size, a, b, rs) for size, rs in by_size(records).items() for a, b in pairs if "@" not in a + b]
+    rows += [("-", a, b, records) for a, b in pairs if "@" in a + b]
+    for size, a, b, rs in rows:
+        runs = {n: runs_of(rs, n) for n in (a, b)}
+        if runs[a] and runs[b]:  # the pair has runs at this F
             solved = [sum(r["test_acc"] >= solve for r in runs[n]) for n in (a, b)]
             fisher = fisher_exact(solved[0], len(runs[a]), solved[1], len(runs[b]))
             firsts = [[first_epoch_at(r) for r in runs[n]] for n in (a, b)]
@@ -362,15 +372,16 @@ def compare_runs(records, pairs, solve=0.9):
     return "\n".join(lines)
 
 
-def compare_pairs(pairs, names):
+def compare_pairs(pairs, records):
     """--compare's pairs: "all" is every pair of names (in their order), else "a:b,c:d" as given, checked."""
+    names = names_in(records)
     if pairs == "all":
         return list(itertools.combinations(names, 2))
     got = [tuple(p.split(":")) for p in pairs.split(",")]
     for p in got:
-        if len(p) != 2 or not all(n in names for n in p):
-            raise SystemExit(f"error: --compare: {':'.join(p)!r} is not two attentions of these runs, a:b "
-                             f"(they have {', '.join(names)}), or 'all'")
+        if len(p) != 2 or not all(runs_of(records, n) for n in p):
+            raise SystemExit(f"error: --compare: {':'.join(p)!r} is not two attentions of these runs, a:b or "
+                             f"a@F:b@F (they have {', '.join(names)}), or 'all'")
     return got
 
 
@@ -431,7 +442,7 @@ if __name__ == "__main__":
     records = load(paths)
     os.makedirs(cfg["out_dir"], exist_ok=True)
     if cfg["compare"]:  # a bad pair or threshold stops here, before any work
-        compare_pairs(cfg["compare"], names_in(records))
+        compare_pairs(cfg["compare"], records)
         if not 0 < cfg["solve"] <= 1:
             raise SystemExit(f"error: --solve is a test accuracy in (0, 1], got {cfg['solve']}")
     report(records, cfg["out_dir"], cfg["plots"])

@@ -109,6 +109,11 @@ def test_compare_row_by_hand():
     row = plot_ar.compare_runs(a + b, "a:b").splitlines()[2].split()
     assert row == ["64", "a", "b", "1/3", "2/3", f"{plot_ar.fisher_exact(1, 3, 2, 3):.2g}", "2", "(1)", "1", "(3)",
                    "1", "0.2"]
+    # the same runs as one attention at two state sizes, named by F: the same row, over all the runs
+    one = [dict(r, attention="a", features=F) for rs, F in ((a, 32), (b, 64)) for r in rs]
+    row = plot_ar.compare_runs(one, "a@32:a@64").splitlines()[2].split()
+    assert row == ["-", "a@32", "a@64", "1/3", "2/3", f"{plot_ar.fisher_exact(1, 3, 2, 3):.2g}", "2", "(1)", "1",
+                   "(3)", "1", "0.2"]
 
 
 def test_runs_merge_across_the_early_stop_setting_only_without_patience():
@@ -151,9 +156,10 @@ def test_plot_ar_merges_runs_made_apart(tmp_path):
     row = (merged / "ar_tests.txt").read_text().splitlines()[2].split()
     solved = [sum(r["test_acc"] >= 0.9 for r in records if r["attention"] == n) for n in ("softmax", "elu")]
     assert row[:5] == ["64", "softmax", "elu", f"{solved[0]}/2", f"{solved[1]}/2"]
-    err = run_script("plot_ar.py", f"--runs={tmp_path / 'ar.json'}", f"--out_dir={merged}", "--compare=softmax:relu",
-                     ok=False)
-    assert "--compare: 'softmax:relu' is not two attentions of these runs" in err and len(err.strip().splitlines()) == 1
+    for bad in ("softmax:relu", "softmax@32:elu"):  # no relu runs; no softmax runs of F = 32
+        err = run_script("plot_ar.py", f"--runs={tmp_path / 'ar.json'}", f"--out_dir={merged}", f"--compare={bad}",
+                         ok=False)
+        assert f"--compare: '{bad}' is not two attentions of these runs" in err and len(err.strip().splitlines()) == 1
 
     other = [dict(r, config=dict(r["config"], lr=1.0)) for r in records if r["seed"] == 1]
     json.dump(other, open(tmp_path / "other.json", "w"))
